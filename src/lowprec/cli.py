@@ -1,0 +1,85 @@
+"""The ``lowprec`` command: a thin layer that builds the library's own objects and calls library functions.
+
+User errors (bad names, bad arguments) print one line to stderr, without a traceback, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from . import __version__, formats
+
+
+def _fmt_num(v: float) -> str:
+    return f"{v:.6g}"
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    specs = [formats.get(n) for n in formats.names()]
+    if args.json:
+        print(json.dumps([s.to_dict() for s in specs], indent=2))
+        return 0
+    cols = ["name", "bits", "E", "M", "bias", "max", "min_normal", "min_subnormal", "eps", "inf", "nan"]
+    rows = [
+        [
+            s.name,
+            str(s.bits),
+            str(s.ebits),
+            str(s.mbits),
+            str(s.bias) if s.kind == "float" else f"int/{s.frac_bits}f",
+            _fmt_num(s.max),
+            _fmt_num(s.min_normal),
+            _fmt_num(s.min_subnormal),
+            _fmt_num(s.eps),
+            "yes" if s.has_inf else "no",
+            "yes" if s.has_nan else "no",
+        ]
+        for s in specs
+    ]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ._demo import run_demo
+
+    run_demo(seed=args.seed)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lowprec", description="Exact emulation of low-precision number formats and training numerics."
+    )
+    p.add_argument("--version", action="version", version=f"lowprec {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    f = sub.add_parser("formats", help="print the table of number formats")
+    f.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    f.set_defaults(func=cmd_formats)
+    d = sub.add_parser("demo", help="quantize a tensor with every named spec and print the error")
+    d.add_argument("--seed", type=int, default=0, help="seed for the demo tensor (default 0)")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        print(f"lowprec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Eager or compiled execution of the quantization kernels.
+
+Every kernel is a plain PyTorch function of tensors and Python constants.  Run eagerly it is the reference; run
+through ``torch.compile`` (inductor: C++/OpenMP on CPU, Triton on GPU) the same function becomes one fused loop.
+Both give identical bits (the kernels use integer operations, exact float conversions and exactly rounded float
+division/multiplication only; the test suite checks the identity).
+
+``set_backend("eager" | "compiled" | "auto")`` chooses; "auto" (the default) compiles for tensors of at least
+``AUTO_MIN_NUMEL`` elements, where the one-off compile time pays for itself, and stays eager for small tensors and
+inside a user's own ``torch.compile`` region (where the kernel is traced into the user's graph anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+
+Backend = Literal["auto", "eager", "compiled"]
+_BACKENDS = ("auto", "eager", "compiled")
+AUTO_MIN_NUMEL = 1 << 20
+_state: dict[str, str] = {"backend": os.environ.get("LOWPREC_BACKEND", "auto")}
+_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def set_backend(backend: Backend) -> None:
+    """Select how quantizers run: "auto", "eager" or "compiled" (also env var ``LOWPREC_BACKEND``)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}; got {backend!r}")
+    _state["backend"] = backend
+
+
+def get_backend() -> str:
+    return _state["backend"]
+
+
+@contextlib.contextmanager
+def backend(name: Backend) -> Iterator[None]:
+    """Context manager form of ``set_backend``."""
+    old = get_backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _state["backend"] = old
+
+
+def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
+    """Call ``kernel`` eagerly or compiled according to the backend setting."""
+    mode = _state["backend"]
+    if mode not in _BACKENDS:
+        raise ValueError(f"LOWPREC_BACKEND must be one of {_BACKENDS}; got {mode!r}")
+    use = mode == "compiled" or (mode == "auto" and numel >= AUTO_MIN_NUMEL)
+    if not use or torch.compiler.is_compiling():
+        return kernel(*args, **kwargs)
+    fn = _compiled.get(kernel)
+    if fn is None:
+        fn = torch.compile(kernel, fullgraph=True, dynamic=None)
+        _compiled[kernel] = fn
+    # One graph per (format, rounding, saturation, rank...) combination: allow more than dynamo's default 8,
+    # scoped to our calls so the user's own settings are untouched.
+    with torch._dynamo.config.patch(recompile_limit=512, accumulated_recompile_limit=4096):
+        return fn(*args, **kwargs)

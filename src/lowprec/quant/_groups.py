@@ -1,0 +1,97 @@
+"""Views of a tensor as scaling groups (whole tensor, slices along an axis, blocks, tiles) and back.
+
+A grouped view ``g`` has the property that ``g.abs().amax(dims, keepdim=True)`` is the per-group amax and
+broadcasts against ``g``.  Dimensions that a block or tile does not divide are zero-padded (zeros never change
+an amax) and the padding is cut off again by ``ungroup``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._spec import QuantSpec
+
+
+def check_layout(shape: torch.Size | tuple[int, ...], spec: QuantSpec) -> None:
+    """Raise ``ValueError`` naming the argument when ``spec`` does not fit a tensor of ``shape``."""
+    ndim = len(shape)
+    if spec.scaling in ("axis", "block") and (ndim == 0 or not -ndim <= spec.axis < ndim):
+        raise ValueError(
+            f"QuantSpec.axis={spec.axis} is out of range for a tensor of {ndim} dimension(s) "
+            f"(shape {tuple(shape)}); use an axis in [{-ndim}, {ndim - 1}]"
+        )
+    if spec.scaling == "tile" and ndim < 2:
+        raise ValueError(
+            f"QuantSpec.tile={spec.tile} needs a tensor with at least 2 dimensions; got shape {tuple(shape)}"
+        )
+
+
+def reduce_dims(spec: QuantSpec, ndim: int) -> tuple[int, ...]:
+    """Dimensions of the grouped view to take the amax over."""
+    if spec.scaling == "tensor":
+        return tuple(range(ndim))
+    if spec.scaling == "axis":
+        return (spec.axis % ndim,)
+    if spec.scaling == "block":
+        return (-1,)
+    return (-3, -1)  # tile
+
+
+def group(t: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The grouped (padded) view of ``t``."""
+    if spec.scaling in ("none", "tensor", "axis"):
+        return t
+    if spec.scaling == "block":
+        assert spec.block_size is not None
+        bs = spec.block_size
+        tt = t.movedim(spec.axis, -1)
+        k = tt.shape[-1]
+        nb = max(1, math.ceil(k / bs))
+        if nb * bs != k:
+            tt = F.pad(tt, (0, nb * bs - k))
+        return tt.unflatten(-1, (nb, bs))
+    assert spec.tile is not None
+    a, b = spec.tile
+    m, k = t.shape[-2:]
+    mp, kp = max(1, math.ceil(m / a)) * a, max(1, math.ceil(k / b)) * b
+    if (mp, kp) != (m, k):
+        t = F.pad(t, (0, kp - k, 0, mp - m))
+    return t.unflatten(-1, (kp // b, b)).unflatten(-3, (mp // a, a))
+
+
+def ungroup(g: torch.Tensor, spec: QuantSpec, shape: torch.Size) -> torch.Tensor:
+    """Inverse of ``group`` for a tensor whose original shape was ``shape``."""
+    if spec.scaling in ("none", "tensor", "axis"):
+        return g
+    if spec.scaling == "block":
+        k = shape[spec.axis]
+        return g.flatten(-2)[..., :k].movedim(-1, spec.axis)
+    m, k = shape[-2:]
+    return g.flatten(-2).flatten(-3, -2)[..., :m, :k]
+
+
+def scales_out(s: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Per-group scales (broadcastable against the grouped view) in their public shape.
+
+    tensor: ``[]``; axis: the input shape with ``axis`` of size 1; block: the input shape with ``axis`` replaced by
+    the number of blocks; tile: ``[..., ceil(M/a), ceil(K/b)]``.
+    """
+    if spec.scaling == "tensor":
+        return s.reshape(())
+    if spec.scaling == "block":
+        return s.squeeze(-1).movedim(-1, spec.axis)
+    if spec.scaling == "tile":
+        return s.squeeze(-1).squeeze(-2)
+    return s
+
+
+def scales_in(s: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Inverse of ``scales_out``."""
+    if spec.scaling == "block":
+        return s.movedim(spec.axis, -1).unsqueeze(-1)
+    if spec.scaling == "tile":
+        return s.unsqueeze(-1).unsqueeze(-3)
+    return s

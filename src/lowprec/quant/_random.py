@@ -1,0 +1,91 @@
+"""Counter-based random bits for stochastic rounding, in 32-bit integer arithmetic.
+
+Stochastic rounding needs one uniform 32-bit word per element.  Drawing them from a stateful generator would
+tie the result to the order in which elements are visited (threads, devices, how a tensor is split).  Instead the
+word for element ``i`` is a pure function of ``(seed, offset + i)``:
+
+    k1, k2 = key(seed)                       # host side, from the 64-bit seed
+    bits(c) = h(h(c + k1) ^ k2)              # c = (offset + i) mod 2^32
+
+where ``h`` is Wellons' ``lowbias32`` integer hash (xor-shift / multiply, a bijection on 32-bit words with low
+bias).  Only wrapping 32-bit add, xor, multiply and logical right shift are used, so JAX (uint32) and PyTorch
+(int32, whose arithmetic wraps; logical shifts are arithmetic shifts followed by a mask) compute identical words.
+Quantizing two halves of a tensor with offsets ``0`` and ``n/2`` therefore gives the same bits as the whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B
+_GOLDEN = 0x9E3779B9
+_SALT = 0x632BE5AB
+
+
+def _to_i32(v: int) -> int:
+    """The signed int32 with the same low 32 bits as ``v``."""
+    v &= _MASK32
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def hash32_py(x: int) -> int:
+    """lowbias32 on a Python int (the reference the tensor version is tested against)."""
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * _M1) & _MASK32
+    x ^= x >> 15
+    x = (x * _M2) & _MASK32
+    x ^= x >> 16
+    return x
+
+
+def seed_keys(seed: int) -> tuple[int, int]:
+    """The two 32-bit keys ``(k1, k2)`` derived from a seed in ``[0, 2^64)``."""
+    lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
+    k1 = hash32_py(lo ^ hash32_py(hi ^ _SALT) ^ _GOLDEN)
+    k2 = hash32_py(k1 ^ _SALT)
+    return k1, k2
+
+
+def random_bits_py(seed: int, counter: int) -> int:
+    """The random word for one counter value, in plain Python (reference implementation)."""
+    k1, k2 = seed_keys(seed)
+    return hash32_py(hash32_py((counter + k1) & _MASK32) ^ k2)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on an int32 tensor (wrapping arithmetic; ``& mask`` turns >> into a logical shift)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _to_i32(_M1)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _to_i32(_M2)
+    x = x ^ ((x >> 16) & 0xFFFF)
+    return x
+
+
+def random_bits(keys: torch.Tensor, offset: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+    """Random int32 words for counters ``offset .. offset + numel - 1`` (flat, row-major element order).
+
+    ``keys`` is an int32 tensor ``[k1, k2]``, ``offset`` an int32 scalar tensor (both as signed int32 with the
+    right low 32 bits), so that compiled code does not specialise on their values.
+    """
+    c = torch.arange(numel, dtype=torch.int32, device=device) + offset
+    return _hash32(_hash32(c + keys[0]) ^ keys[1])
+
+
+def key_tensor(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``seed_keys(seed)`` as an int32 tensor."""
+    k1, k2 = seed_keys(seed)
+    return torch.tensor([_to_i32(k1), _to_i32(k2)], dtype=torch.int32, device=device)
+
+
+def offset_tensor(offset: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An offset in ``[0, 2^32)`` as a wrapped int32 scalar tensor."""
+    return torch.tensor(_to_i32(offset), dtype=torch.int32, device=device)
+
+
+def draw_seed() -> int:
+    """A seed drawn from torch's default generator (so ``torch.manual_seed`` makes it reproducible)."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())

@@ -1,0 +1,150 @@
+"""Rounding a float32 tensor onto a format's grid, with bit operations only.
+
+A finite float32 ``x = (-1)^s * sig * 2^(e - 150)`` has a 24-bit significand ``sig`` (implicit bit included for
+normals; ``e`` is the biased exponent, 1 for subnormals).  A target format with ``M`` mantissa bits and smallest
+normal exponent ``emin`` has, around ``x``, the step
+
+    step = 2^(E - M),   E = max(e - 127, emin)
+
+(a binade holds ``2^M`` steps; below ``2^emin`` subnormals keep the step ``2^(emin - M)``).  Rounding ``x`` to a
+multiple of ``step`` discards the low ``d = 23 - M + max(0, emin + 127 - e)`` bits of ``sig``:
+
+    n   = sig >> d                 the multiple of step at or below |x|
+    rem = sig & (2^d - 1)          the discarded part, in units of 2^-d steps
+    n' = n + up                    up = 1 when rounding away from zero
+
+* nearest, ties to even: ``up = rem > 2^(d-1) or (rem == 2^(d-1) and n is odd)``
+* toward zero: ``up = 0``
+* stochastic: ``up = u < rem * 2^(31 - d)`` with ``u`` 31 uniform random bits, so ``P(up) = rem / 2^d`` exactly:
+  the distance to the lower grid point over the step.  This uses every discarded bit whenever ``d <= 31``, i.e. for
+  every ``|x| >= 2^-8`` times the format's smallest subnormal; below that (``P(up) < 2^-8``) the probability is
+  truncated to a multiple of 2^-31 (a bias under 2^-31 of one smallest step).
+
+The result ``n' * 2^(E - M)`` is computed as an int-to-float conversion (exact: ``n' <= 2^24``) times a power of
+two (exact: the result is on the target grid, which float32 contains).  ``n' = 2^(M+1)`` is the carry into the
+next binade and comes out right by itself.  Overflow (result above the format's max) and NaN/inf are applied after.
+
+Integer formats reuse the same kernel: an integer with step ``2^-f`` is a float whose range is all "subnormal",
+``M = bits - 1`` and ``emin = M - f``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FormatSpec
+
+_SIGN = -(1 << 31)  # 0x80000000 as int32
+_ABS = 0x7FFFFFFF
+_EXP_INF = 0x7F800000
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** k`` as float32 for int32 ``k`` in ``[-149, 127]``, built from bits."""
+    k = k.to(torch.int32)
+    normal = (k + 127) << 23
+    sub = 1 << torch.clamp(k + 149, 0, 22)
+    return torch.where(k >= -126, normal, sub).view(torch.float32)
+
+
+def round_magnitude(
+    a: torch.Tensor,
+    *,
+    mbits: int,
+    emin: int,
+    rounding: str,
+    rbits: torch.Tensor | None,
+    ties_away: bool = False,
+) -> torch.Tensor:
+    """Round the magnitudes ``a`` (int32 float32 bit patterns, sign cleared, finite) onto the grid.
+
+    Returns float32 magnitudes (possibly above the format's max: overflow is the caller's job).
+    """
+    e = a >> 23
+    eff_e = torch.clamp(e, min=1)
+    sig = torch.where(e > 0, (a & 0x7FFFFF) | 0x800000, a)
+    d = (23 - mbits) + torch.clamp((emin + 127) - eff_e, min=0)
+    dc = torch.clamp(d, max=30)  # sig < 2^24, so shifting by >= 25 already gives 0
+    n = sig >> dc
+    mask = (1 << dc) - 1
+    rem = sig & mask
+    if rounding == "nearest":
+        half = (1 << dc) >> 1
+        bias = half if ties_away else half - 1 + (n & 1)
+        up = (rem + bias) > mask
+    elif rounding == "toward_zero":
+        up = None
+    elif rounding == "away":  # internal: round magnitudes up (used for "ceil" scale rounding)
+        up = rem != 0
+    elif rounding == "stochastic":
+        if rbits is None:
+            raise ValueError("stochastic rounding needs random bits")
+        u = (rbits >> 1) & _ABS
+        # P(up) = rem / 2^d.  For d <= 31 the threshold rem * 2^(31-d) < 2^31 is exact.
+        thr_exact = rem << torch.clamp(31 - d, 0, 31)
+        thr_trunc = sig >> torch.clamp(d - 31, 0, 31)
+        up = u < torch.where(d <= 31, thr_exact, thr_trunc)
+    else:
+        raise ValueError(f"rounding must be 'nearest', 'stochastic' or 'toward_zero', got {rounding!r}")
+    if up is not None:
+        n = n + up.to(torch.int32)
+    big_e = torch.clamp(eff_e - 127, min=emin)
+    return n.to(torch.float32) * _pow2(big_e - mbits)
+
+
+def quantize_f32(
+    x: torch.Tensor,
+    fmt: FormatSpec,
+    *,
+    rounding: str,
+    saturate: bool,
+    rbits: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x`` (float32) rounded onto ``fmt``'s grid, with the format's overflow and NaN rules; float32 out.
+
+    Overflow with ``saturate=False``: inf where the format has inf, NaN where it has NaN but no inf, and the
+    largest finite value for formats with neither (float6/float4, as ml_dtypes does) and for integers.
+    ``saturate=True`` clamps finite values to +-max.  NaN in gives NaN out.  Infinite input becomes inf, or NaN
+    for formats without inf (kept visible even under ``saturate=True``), or +-max for formats with neither.
+    """
+    if fmt.kind == "float" and fmt.mbits == 23 and fmt.emin <= -126:
+        return x.clone()  # float32 itself
+    bits = x.view(torch.int32)
+    a = bits & _ABS
+    finite = a < _EXP_INF
+    mag = round_magnitude(
+        torch.where(finite, a, 0),
+        mbits=fmt.mbits,
+        emin=fmt.emin,
+        rounding=rounding,
+        rbits=rbits,
+        ties_away=fmt.mbits == 0,
+    )
+    fmax = fmt.max
+    nan = float("nan")
+    if fmt.kind == "int":
+        signed = torch.where(bits < 0, -mag, mag)
+        out = torch.clamp(signed, fmt.min, fmax) + 0.0  # + 0.0 turns -0 into +0: integers have one zero
+        return torch.where(torch.isnan(x), x, out)
+    if not fmt.signed:  # exponent-only scale format (E8M0): no zero, no sign
+        mag = torch.clamp(mag, min=fmt.min_normal)
+        over = mag > fmax
+        mag = torch.where(over, fmax if saturate else nan, mag)
+        return torch.where((bits > 0) & finite, mag, nan)
+    over = mag > fmax
+    if saturate or fmt.special == "finite":
+        mag = torch.where(over, fmax, mag)
+    else:
+        mag = torch.where(over, float("inf") if fmt.has_inf else nan, mag)
+    if fmt.has_negative_zero:
+        out = (mag.view(torch.int32) | (bits & _SIGN)).view(torch.float32)
+    else:
+        out = torch.where(bits < 0, -mag, mag) + 0.0  # fnuz: no -0
+    # Non-finite input.
+    if fmt.has_inf:
+        special = x
+    elif fmt.special == "finite":
+        special = torch.where(torch.isnan(x), x, torch.where(bits < 0, -fmax, fmax))
+    else:
+        special = torch.full_like(x, nan)
+    return torch.where(finite, out, special)

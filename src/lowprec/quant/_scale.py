@@ -1,0 +1,79 @@
+"""Computing a group's scale from its amax (see ``QuantSpec`` for the rules)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FormatSpec
+from ._round import _pow2, quantize_f32
+from ._spec import QuantSpec
+
+_F32_MAX = float.fromhex("0x1.fffffep127")
+_SCALE_ROUNDING_TO_ELEM = {"nearest": "nearest", "floor": "toward_zero", "ceil": "away"}
+
+
+def _log2_parts(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For finite ``v >= 0``: ``(floor(log2 v), 23 mantissa bits)`` as int32; subnormals are normalised first.
+
+    ``v == 0`` gives an exponent of -191, below any scale range (callers clamp).
+    """
+    sub = v < float.fromhex("0x1p-126")
+    vn = torch.where(sub, v * float.fromhex("0x1p64"), v)
+    bits = vn.view(torch.int32)
+    exp = (bits >> 23) - 127 - sub.to(torch.int32) * 64
+    return exp, bits & 0x7FFFFF
+
+
+def _mantissa_bits(value: float) -> int:
+    """The 23 float32 mantissa bits of a positive normal Python float that float32 holds exactly."""
+    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32).item()) & 0x7FFFFF
+
+
+def pow2_scale(amax: torch.Tensor, spec: QuantSpec, elem: FormatSpec, sfmt: FormatSpec) -> torch.Tensor:
+    """Power-of-two (E8M0) scale for each amax, as float32."""
+    exp, mant = _log2_parts(amax)
+    if spec.scale_rounding == "floor":  # OCP MX: 2^(floor(log2 amax) - emax_elem)
+        k = exp - elem.emax
+    elif spec.scale_rounding == "ceil":  # smallest 2^k with 2^k * max_elem >= amax
+        k = exp - elem.emax + (mant > _mantissa_bits(elem.max)).to(torch.int32)
+    else:  # amax / max_elem to the nearest power of two (ties up, as the E8M0 cast)
+        r_exp, r_mant = _log2_parts(amax / elem.max)
+        k = r_exp + (r_mant >= 0x400000).to(torch.int32)
+    lo, hi = sfmt.emin, sfmt.emax
+    k = torch.clamp(k + spec.margin, lo, hi)
+    return _pow2(k)
+
+
+def float_scale(raw: torch.Tensor, spec: QuantSpec, sfmt: FormatSpec) -> torch.Tensor:
+    """``raw`` (= amax / max_elem, positive float32) rounded into a float scale format and clamped."""
+    if spec.margin:
+        raw = raw * float(2.0**spec.margin)
+    if not (sfmt.mbits == 23 and sfmt.emin <= -126):
+        raw = quantize_f32(
+            raw, sfmt, rounding=_SCALE_ROUNDING_TO_ELEM[spec.scale_rounding], saturate=True, rbits=None
+        )
+    return torch.clamp(raw, min=sfmt.min_subnormal, max=sfmt.max)
+
+
+def group_scale(amax: torch.Tensor, spec: QuantSpec, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+    """Scale per group (float32, values exactly in ``spec.scale_format``); NaN for groups with NaN/inf."""
+    elem, sfmt = spec.format, spec.scale_spec
+    finite = amax <= _F32_MAX  # False for NaN and inf
+    safe = torch.where(finite, amax, 0.0)
+    if not sfmt.signed:
+        s = pow2_scale(safe, spec, elem, sfmt)
+    else:
+        raw = safe / elem.max
+        if tensor_scale is not None:
+            raw = raw / tensor_scale
+        s = float_scale(raw, spec, sfmt)
+    return torch.where(finite, s, float("nan"))
+
+
+def tensor_scale_from_amax(amax: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Two-level (NVFP4) float32 tensor scale ``amax / (max_elem * max_scale)``; 1 for an all-zero tensor."""
+    denom = spec.format.max * spec.scale_spec.max
+    finite = amax <= _F32_MAX
+    # Clamped to the smallest normal so that group scale * tensor scale never underflows to zero.
+    s = torch.where(amax > 0, torch.clamp(amax / denom, min=float.fromhex("0x1p-126")), 1.0)
+    return torch.where(finite, s, float("nan"))

@@ -1,0 +1,138 @@
+"""Scaled quantization: ``fake_quantize``, ``quantize_scaled`` (real storage) and ``dequantize``.
+
+For each scaling group (see ``QuantSpec``) with scale ``s``:
+
+    codes   = Q_elem(x / s)            rounded and saturated onto the element grid
+    x_hat   = codes * s                what the hardware sees after dequantization
+
+``fake_quantize(x, spec)`` returns ``x_hat`` in ``x``'s dtype; ``dequantize(*quantize_scaled(x, spec), spec)``
+returns the same bits in float32.  With power-of-two scales both the division and the multiplication are exact.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _backend, _codec, _groups, _random
+from ._elementwise import check_tensor, stochastic_args
+from ._round import quantize_f32
+from ._scale import group_scale, tensor_scale_from_amax
+from ._spec import QuantSpec
+
+
+class TwoLevelScales(NamedTuple):
+    """Scales of a two-level spec (NVFP4): per-group scales in the scale format and a float32 tensor scale."""
+
+    group: torch.Tensor
+    tensor: torch.Tensor
+
+
+Scales = torch.Tensor | TwoLevelScales
+
+
+def _amax(g: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    dims = _groups.reduce_dims(spec, g.dim())
+    return g.abs().amax(dim=dims, keepdim=True) if dims else g.abs()
+
+
+def _core(
+    xf: torch.Tensor, keys: torch.Tensor | None, off: torch.Tensor | None, spec: QuantSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Grouped element values ``q`` (on the element grid), grouped scales, and the tensor scale (or None)."""
+    rbits = None
+    if keys is not None and off is not None:
+        rbits = _groups.group(_random.random_bits(keys, off, xf.numel(), xf.device).view(xf.shape), spec)
+    if spec.scaling == "none":
+        q = quantize_f32(xf, spec.format, rounding=spec.rounding, saturate=spec.saturate, rbits=rbits)
+        return q, torch.ones((), dtype=torch.float32, device=xf.device), None
+    g = _groups.group(xf, spec)
+    s_t = tensor_scale_from_amax(xf.abs().amax(), spec) if spec.tensor_scale else None
+    s = group_scale(_amax(g, spec), spec, s_t)
+    eff = s if s_t is None else s * s_t
+    q = quantize_f32(g / eff, spec.format, rounding=spec.rounding, saturate=spec.saturate, rbits=rbits)
+    return q, s, s_t
+
+
+def _fake_kernel(
+    x: torch.Tensor, keys: torch.Tensor | None, off: torch.Tensor | None, *, spec: QuantSpec
+) -> torch.Tensor:
+    xf = x.to(torch.float32)
+    q, s, s_t = _core(xf, keys, off, spec)
+    eff = s if s_t is None else s * s_t
+    return _groups.ungroup(q * eff, spec, x.shape).to(x.dtype)
+
+
+def _check(x: torch.Tensor, spec: object) -> QuantSpec:
+    check_tensor(x)
+    if isinstance(spec, str):
+        spec = QuantSpec.named(spec)
+    if not isinstance(spec, QuantSpec):
+        raise ValueError(f"spec must be a QuantSpec or a spec name; got {type(spec).__name__}")
+    _groups.check_layout(x.shape, spec)
+    return spec
+
+
+def fake_quantize(
+    x: torch.Tensor, spec: QuantSpec | str, *, seed: int | None = None, offset: int = 0
+) -> torch.Tensor:
+    """Quantize with ``spec`` and dequantize again: ``x``'s shape and dtype, values as the hardware sees them.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        spec: a ``QuantSpec`` or a name from ``QuantSpec.names()`` (e.g. "mxfp8_e4m3", "nvfp4").
+        seed, offset: random bits for ``spec.rounding == "stochastic"``, as in ``quantize``.
+    """
+    spec = _check(x, spec)
+    keys, off = stochastic_args(spec.rounding, seed, offset, x.numel(), x.device)
+    return _backend.run(_fake_kernel, x.numel(), x, keys, off, spec=spec)
+
+
+def quantize_scaled(
+    x: torch.Tensor, spec: QuantSpec | str, *, seed: int | None = None, offset: int = 0
+) -> tuple[torch.Tensor, Scales]:
+    """Real low-bit storage: ``(codes, scales)`` with ``x ≈ codes * scales`` per group.
+
+    codes: the element format's storage (``_codec`` module docstring: torch float8 dtypes, packed uint8 for 4- and
+    6-bit formats, int8).  scales: in the scale format's dtype (float32, bfloat16, torch.float8_e8m0fnu,
+    torch.float8_e4m3fn), shaped as described in ``QuantSpec``; for two-level specs a ``TwoLevelScales``.
+    """
+    spec = _check(x, spec)
+    keys, off = stochastic_args(spec.rounding, seed, offset, x.numel(), x.device)
+    q, s, s_t = _core(x.to(torch.float32), keys, off, spec)
+    codes = _codec.encode(_groups.ungroup(q, spec, x.shape).contiguous(), spec.format)
+    scale_dtype = _codec.torch_dtype(spec.scale_spec)
+    if scale_dtype is None:
+        raise ValueError(f"no torch dtype stores scale format {spec.scale_spec.name}; use fake_quantize")
+    scales = _groups.scales_out(s, spec).to(scale_dtype)
+    if s_t is not None:
+        return codes, TwoLevelScales(scales, s_t.reshape(()))
+    return codes, scales
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: Scales,
+    spec: QuantSpec | str,
+    *,
+    shape: tuple[int, ...] | torch.Size | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Values ``codes * scales`` from ``quantize_scaled``'s output, in ``dtype``.
+
+    ``shape``: the original tensor's shape; needed only for packed 4/6-bit codes whose last dimension was not a
+    multiple of 2 (float4) or 4 (float6), otherwise inferred.
+    """
+    if isinstance(spec, str):
+        spec = QuantSpec.named(spec)
+    last = shape[-1] if shape else None
+    elems = _codec.decode(codes, spec.format, last)
+    if shape is not None and tuple(elems.shape) != tuple(shape):
+        raise ValueError(f"codes decode to shape {tuple(elems.shape)}, not the given shape {tuple(shape)}")
+    if isinstance(scales, TwoLevelScales):
+        s = _groups.scales_in(scales.group.to(torch.float32), spec) * scales.tensor.to(torch.float32)
+    else:
+        s = _groups.scales_in(scales.to(torch.float32), spec)
+    g = _groups.group(elems, spec)
+    return _groups.ungroup(g * s, spec, elems.shape).to(dtype)

@@ -1,0 +1,159 @@
+"""``QuantSpec``: how a tensor is scaled and rounded into a low-precision format.
+
+Scaled quantization stores ``x ≈ code * scale``.  Elements that share a scale form a *group*:
+
+* ``"tensor"``: one scale for the whole tensor (fp8 tensorwise recipes);
+* ``"axis"``: one scale per slice, the amax taken along ``axis`` (rowwise: ``axis=-1`` gives one scale per row);
+* ``"block"``: blocks of ``block_size`` consecutive elements along ``axis`` (OCP MX: 32; NVFP4: 16).  A
+  dimension that the block size does not divide ends in a shorter block;
+* ``"tile"``: ``tile = (a, b)`` tiles over the last two dimensions (DeepSeek-V3: 1x128 activations, 128x128
+  weights); edge tiles are smaller.
+
+For each group, ``amax = max |x|`` and the scale is ``amax / max_elem`` (times ``2^margin``) cast to
+``scale_format``:
+
+* power-of-two scale formats (``float8_e8m0fnu``) follow ``scale_rounding``:
+  ``"floor"``: ``2^(floor(log2 amax) - emax_elem)``, the OCP MX v1.0 rule (it can clip the block maximum, which
+  the element cast then saturates); ``"ceil"``: the smallest power of two with ``scale * max_elem >= amax`` (never
+  clips; NVIDIA's MXFP8 recipe); ``"nearest"``: ``amax / max_elem`` rounded to the nearest power of two.
+* other scale formats (float32, bfloat16, float8_e4m3fn for NVFP4): ``amax / max_elem`` rounded to the scale
+  format with ``"nearest"`` (ties to even), ``"floor"`` (down) or ``"ceil"`` (up, never clips).
+
+Scales are clamped to the scale format's positive range ``[smallest, max]``; an all-zero group thus gets the
+smallest scale and zero codes.  A group containing NaN or inf gets a NaN scale, and the whole group dequantizes
+to NaN (OCP MX: an E8M0 scale of 0xFF makes every element of its block NaN).
+
+With ``tensor_scale=True`` (NVFP4) a float32 per-tensor scale ``s_t = amax_tensor / (max_elem * max_scale)``
+comes first and group scales are computed from ``amax / s_t``; the effective scale is ``s_group * s_t`` (one
+float32 product, used for both quantization and dequantization).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, get_args
+
+from .. import formats
+from ..formats import FormatSpec
+from ._validate import Rounding, check_bool, check_rounding
+
+Scaling = Literal["none", "tensor", "axis", "block", "tile"]
+ScaleRounding = Literal["floor", "ceil", "nearest"]
+_SCALINGS = get_args(Scaling)
+_SCALE_ROUNDINGS = get_args(ScaleRounding)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantSpec:
+    """How to quantize one tensor: element format, scaling granularity, scale format and rounding."""
+
+    elem: str | FormatSpec = "float8_e4m3fn"
+    """Element format (name or FormatSpec)."""
+    scaling: Scaling = "tensor"
+    """Scale granularity: "none", "tensor", "axis", "block" or "tile"."""
+    axis: int = -1
+    """"axis": the dimension reduced for the amax; "block": the dimension the blocks run along."""
+    block_size: int | None = None
+    """"block" only: elements per block (32 for OCP MX, 16 for NVFP4)."""
+    tile: tuple[int, int] | None = None
+    """"tile" only: tile shape over the last two dimensions, e.g. (1, 128) or (128, 128)."""
+    scale_format: str | FormatSpec = "float32"
+    """Format the scales are stored in: "float32", "bfloat16", "float8_e8m0fnu", "float8_e4m3fn", ..."""
+    scale_rounding: ScaleRounding = "nearest"
+    """Rounding of the scale into scale_format: "floor" (OCP MX), "ceil" (never clips), "nearest"."""
+    margin: int = 0
+    """Scale multiplied by 2^margin (headroom against overflow, as TransformerEngine's margin)."""
+    rounding: Rounding = "nearest"
+    """Element rounding: "nearest", "stochastic" or "toward_zero"."""
+    saturate: bool = True
+    """Clamp scaled elements to +-max of the element format (the OCP MX rule)."""
+    tensor_scale: bool = False
+    """Two-level scaling: an extra float32 per-tensor scale (NVFP4)."""
+
+    def __post_init__(self) -> None:
+        elem = formats.get(self.elem)
+        if self.scaling not in _SCALINGS:
+            raise ValueError(f"QuantSpec.scaling must be one of {_SCALINGS}; got {self.scaling!r}")
+        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
+            raise ValueError(f"QuantSpec.axis must be an int; got {self.axis!r}")
+        if self.scaling == "block":
+            bs = self.block_size
+            if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0:
+                raise ValueError(f"QuantSpec.block_size must be a positive int for scaling='block'; got {bs!r}")
+        elif self.block_size is not None:
+            raise ValueError(f"QuantSpec.block_size is only used with scaling='block'; got scaling={self.scaling!r}")
+        if self.scaling == "tile":
+            t = self.tile
+            ok = isinstance(t, tuple) and len(t) == 2 and all(isinstance(v, int) and v > 0 for v in t)
+            if not ok:
+                raise ValueError(f"QuantSpec.tile must be a pair of positive ints such as (1, 128); got {t!r}")
+        elif self.tile is not None:
+            raise ValueError(f"QuantSpec.tile is only used with scaling='tile'; got scaling={self.scaling!r}")
+        sfmt = formats.get(self.scale_format)
+        if sfmt.kind != "float":
+            raise ValueError(f"QuantSpec.scale_format must be a float format; got {sfmt.name!r}")
+        if self.scale_rounding not in _SCALE_ROUNDINGS:
+            raise ValueError(
+                f"QuantSpec.scale_rounding must be one of {_SCALE_ROUNDINGS}; got {self.scale_rounding!r}"
+            )
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or abs(self.margin) > 64:
+            raise ValueError(f"QuantSpec.margin must be an int in [-64, 64]; got {self.margin!r}")
+        check_rounding(self.rounding, "QuantSpec.rounding")
+        check_bool(self.saturate, "QuantSpec.saturate")
+        check_bool(self.tensor_scale, "QuantSpec.tensor_scale")
+        if self.tensor_scale and self.scaling in ("none", "tensor"):
+            raise ValueError("QuantSpec.tensor_scale needs scaling 'axis', 'block' or 'tile'")
+        if self.tensor_scale and not sfmt.signed:
+            raise ValueError("QuantSpec.tensor_scale is for non-power-of-two scale formats (NVFP4's float8_e4m3fn)")
+        if elem.kind == "float" and not elem.signed:
+            raise ValueError(f"QuantSpec.elem cannot be the unsigned scale format {elem.name!r}")
+
+    @property
+    def format(self) -> FormatSpec:
+        """The element FormatSpec."""
+        return formats.get(self.elem)
+
+    @property
+    def scale_spec(self) -> FormatSpec:
+        """The scale FormatSpec."""
+        return formats.get(self.scale_format)
+
+    @classmethod
+    def named(cls, name: str) -> QuantSpec:
+        """A built-in spec: see ``QuantSpec.names()``."""
+        from ._named import named_spec
+
+        return named_spec(name)
+
+    @staticmethod
+    def names() -> list[str]:
+        from ._named import spec_names
+
+        return spec_names()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON/TOML-ready); custom formats are written as their defining fields."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, FormatSpec):
+                v = v.name if formats.names().count(v.name) and formats.get(v.name) == v else dataclasses.asdict(v)
+            if isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantSpec:
+        """Inverse of ``to_dict``; unknown keys raise ``ValueError`` naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = set(data) - known
+        if extra:
+            raise ValueError(f"unknown QuantSpec field(s) {sorted(extra)}; valid fields: {sorted(known)}")
+        kw = dict(data)
+        for key in ("elem", "scale_format"):
+            if isinstance(kw.get(key), dict):
+                kw[key] = FormatSpec(**kw[key])
+        if isinstance(kw.get("tile"), list):
+            kw["tile"] = tuple(kw["tile"])
+        return cls(**kw)
