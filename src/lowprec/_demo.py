@@ -5,12 +5,7 @@ from __future__ import annotations
 import torch
 
 from .quant import QuantSpec, fake_quantize, quantize
-
-
-def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio ``20 log10(||x|| / ||x - y||)`` in dB (inf when equal)."""
-    noise = (x.double() - y.double()).norm()
-    return float("inf") if noise == 0 else float(20 * torch.log10(x.double().norm() / noise))
+from .testing import sqnr_db
 
 
 def run_demo(seed: int = 0) -> None:

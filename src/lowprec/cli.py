@@ -79,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"lowprec: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `lowprec formats | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

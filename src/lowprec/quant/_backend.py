@@ -8,6 +8,8 @@ division/multiplication only; the test suite checks the identity).
 ``set_backend("eager" | "compiled" | "auto")`` chooses; "auto" (the default) compiles for tensors of at least
 ``AUTO_MIN_NUMEL`` elements, where the one-off compile time pays for itself, and stays eager for small tensors and
 inside a user's own ``torch.compile`` region (where the kernel is traced into the user's graph anyway).
+Compiled kernels are specialised to the format, rounding, spec and tensor shape; each new combination compiles
+once (a few seconds on CPU) and is cached for the process.
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> An
         return kernel(*args, **kwargs)
     fn = _compiled.get(kernel)
     if fn is None:
-        fn = torch.compile(kernel, fullgraph=True, dynamic=None)
+        # dynamic=False: format parameters (ints such as mantissa bits) must stay compile-time constants; with
+        # automatic dynamic shapes dynamo would turn them into symbols on the second format.  Shapes are static
+        # too, so each new shape compiles once (training reuses a fixed set of shapes).
+        fn = torch.compile(kernel, fullgraph=True, dynamic=False)
         _compiled[kernel] = fn
     # One graph per (format, rounding, saturation, rank...) combination: allow more than dynamo's default 8,
     # scoped to our calls so the user's own settings are untouched.

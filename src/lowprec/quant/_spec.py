@@ -137,7 +137,8 @@ class QuantSpec:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, FormatSpec):
-                v = v.name if formats.names().count(v.name) and formats.get(v.name) == v else dataclasses.asdict(v)
+                registered = v.name in formats.names() and formats.get(v.name) == v
+                v = v.name if registered else dataclasses.asdict(v)
             if isinstance(v, tuple):
                 v = list(v)
             out[f.name] = v

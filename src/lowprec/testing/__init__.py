@@ -1,0 +1,8 @@
+"""Helpers for comparing low-precision results, shipped so users can run the same checks on their own tensors."""
+
+from ._compare import assert_bitwise_equal as assert_bitwise_equal
+from ._compare import sqnr_db as sqnr_db
+from .tolerances import TOLERANCES as TOLERANCES
+from .tolerances import Tolerance as Tolerance
+
+__all__ = ["TOLERANCES", "Tolerance", "assert_bitwise_equal", "sqnr_db"]
