@@ -104,6 +104,7 @@ def quantize_f32(
 
     Overflow with ``saturate=False``: inf where the format has inf, NaN where it has NaN but no inf, and the
     largest finite value for formats with neither (float6/float4, as ml_dtypes does) and for integers.
+    Round-toward-zero never overflows a finite value (it gives +-max, as IEEE 754 specifies).
     ``saturate=True`` clamps finite values to +-max.  NaN in gives NaN out.  Infinite input becomes inf, or NaN
     for formats without inf (kept visible even under ``saturate=True``), or +-max for formats with neither.
     """
@@ -132,7 +133,8 @@ def quantize_f32(
         mag = torch.where(over, fmax if saturate else nan, mag)
         return torch.where((bits > 0) & finite, mag, nan)
     over = mag > fmax
-    if saturate or fmt.special == "finite":
+    # Round-toward-zero never rounds a finite value up past max (IEEE 754: it overflows to max, not inf).
+    if saturate or fmt.special == "finite" or rounding == "toward_zero":
         mag = torch.where(over, fmax, mag)
     else:
         mag = torch.where(over, float("inf") if fmt.has_inf else nan, mag)
