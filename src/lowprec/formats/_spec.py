@@ -99,8 +99,12 @@ class FormatSpec:
             )
 
     def _bias_range(self) -> tuple[int, int]:
-        top = (1 << self.ebits) - (2 if self.special == "ieee" else 1)
-        return (top - 127, 150 - self.mbits if self.mbits else 127)
+        """Biases that keep the format inside float32: ``emax <= 127`` and smallest step ``>= 2^-149``."""
+        top = (1 << self.ebits) - 1
+        if self.special == "ieee" or (self.special == "fn" and self.mbits == 0):
+            top -= 1
+        lowest_field = 1 if self.has_subnormals else 0
+        return (top - 127, lowest_field + 149 - self.mbits)
 
     # ----------------------------------------------------------------------------------------------- builders
     @classmethod

@@ -90,15 +90,13 @@ def encode_float(q: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
         negative = (bits < 0) & (code != 0) if not fmt.has_negative_zero else bits < 0
         code = code | (negative.to(torch.int32) << sign_shift)
     nan = torch.isnan(q)
+    sign_bit = (bits < 0).to(torch.int32) << sign_shift if fmt.signed else torch.zeros_like(bits)
     if fmt.special == "ieee":
-        nan_code = ((bits < 0).to(torch.int32) << sign_shift) | (((1 << e_bits) - 1) << m) | (1 << (m - 1))
-        code = torch.where(torch.isinf(q), ((bits < 0).to(torch.int32) << sign_shift) | (((1 << e_bits) - 1) << m), code)
-        code = torch.where(nan, nan_code, code)
+        inf_code = sign_bit | (((1 << e_bits) - 1) << m)
+        code = torch.where(torch.isinf(q), inf_code, code)
+        code = torch.where(nan, inf_code | (1 << (m - 1)), code)  # quiet NaN, sign kept
     elif fmt.special == "fn":
-        nan_code = (1 << fmt.bits) - 1 if not fmt.signed else ((bits < 0).to(torch.int32) << sign_shift) | (
-            (1 << sign_shift) - 1
-        )
-        code = torch.where(nan, nan_code, code)
+        code = torch.where(nan, sign_bit | ((1 << sign_shift) - 1), code)  # S.1111.111 (E8M0: 0xFF)
     elif fmt.special == "fnuz":
         code = torch.where(nan, 1 << sign_shift, code)
     else:

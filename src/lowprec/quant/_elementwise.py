@@ -89,9 +89,7 @@ def quantize(
     """
     x = check_tensor(x)
     spec = formats.get(fmt)
-    rounding = check_rounding(rounding)
+    mode = check_rounding(rounding)
     saturate = check_bool(saturate, "saturate")
-    keys, off = stochastic_args(rounding, seed, offset, x.numel(), x.device)
-    return _backend.run(
-        _kernel, x.numel(), x, keys, off, fmt=spec, rounding=rounding, saturate=saturate
-    )
+    keys, off = stochastic_args(mode, seed, offset, x.numel(), x.device)
+    return _backend.run(_kernel, x.numel(), x, keys, off, fmt=spec, rounding=mode, saturate=saturate)

@@ -106,7 +106,8 @@ def quantize_f32(
     largest finite value for formats with neither (float6/float4, as ml_dtypes does) and for integers.
     Round-toward-zero never overflows a finite value (it gives +-max, as IEEE 754 specifies).
     ``saturate=True`` clamps finite values to +-max.  NaN in gives NaN out.  Infinite input becomes inf, or NaN
-    for formats without inf (kept visible even under ``saturate=True``), or +-max for formats with neither.
+    for formats without inf (kept visible even under ``saturate=True``), or +-max for formats with neither
+    (integers: the most positive / most negative code).
     """
     if fmt.kind == "float" and fmt.mbits == 23 and fmt.emin <= -126:
         return x.clone()  # float32 itself
@@ -126,7 +127,7 @@ def quantize_f32(
     if fmt.kind == "int":
         signed = torch.where(bits < 0, -mag, mag)
         out = torch.clamp(signed, fmt.min, fmax) + 0.0  # + 0.0 turns -0 into +0: integers have one zero
-        return torch.where(torch.isnan(x), x, out)
+        return torch.where(finite, out, torch.clamp(x, fmt.min, fmax))  # inf saturates, NaN stays NaN
     if not fmt.signed:  # exponent-only scale format (E8M0): no zero, no sign
         mag = torch.clamp(mag, min=fmt.min_normal)
         over = mag > fmax
