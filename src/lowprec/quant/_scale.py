@@ -77,3 +77,16 @@ def tensor_scale_from_amax(amax: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     # Clamped to the smallest normal so that group scale * tensor scale never underflows to zero.
     s = torch.where(amax > 0, torch.clamp(amax / denom, min=float.fromhex("0x1p-126")), 1.0)
     return torch.where(finite, s, float("nan"))
+
+
+def divide_by_scale(v: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``v / scale``, the same bits computed faster where that is exact.
+
+    Power-of-two scale formats (E8M0: ``scale = 2^k`` with ``k`` in ``[-127, 127]``) multiply by ``2^-k`` instead:
+    ``2^-k`` is itself a float32 (a subnormal for ``k = 127``, still exact), so ``1 / scale`` is exact and
+    ``v * 2^-k`` is the correctly rounded value of the same real number ``v / 2^k``, subnormal or overflowing
+    results included.  A NaN scale stays NaN either way.
+    """
+    if spec.scale_spec.mbits == 0 and not spec.tensor_scale:
+        return v * (1.0 / scale)
+    return v / scale

@@ -18,7 +18,7 @@ import torch
 from . import _backend, _codec, _groups, _random
 from ._elementwise import check_tensor, stochastic_args
 from ._round import quantize_f32
-from ._scale import group_scale, tensor_scale_from_amax
+from ._scale import divide_by_scale, group_scale, tensor_scale_from_amax
 from ._spec import QuantSpec
 
 
@@ -32,8 +32,11 @@ class TwoLevelScales(NamedTuple):
 Scales = torch.Tensor | TwoLevelScales
 
 
-def _amax(g: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    dims = _groups.reduce_dims(spec, g.dim())
+def _amax(g: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``max |g|`` over ``dims`` (kept as size 1); 0 for empty groups, so empty tensors pass through."""
+    if g.numel() == 0:
+        keep = {d % g.dim() for d in dims}
+        return g.new_zeros([1 if i in keep else n for i, n in enumerate(g.shape)])
     return g.abs().amax(dim=dims, keepdim=True) if dims else g.abs()
 
 
@@ -48,10 +51,10 @@ def _core(
         q = quantize_f32(xf, spec.format, rounding=spec.rounding, saturate=spec.saturate, rbits=rbits)
         return q, torch.ones((), dtype=torch.float32, device=xf.device), None
     g = _groups.group(xf, spec)
-    s_t = tensor_scale_from_amax(xf.abs().amax(), spec) if spec.tensor_scale else None
-    s = group_scale(_amax(g, spec), spec, s_t)
+    s_t = tensor_scale_from_amax(_amax(xf, tuple(range(xf.dim()))).reshape(()), spec) if spec.tensor_scale else None
+    s = group_scale(_amax(g, _groups.reduce_dims(spec, g.dim())), spec, s_t)
     eff = s if s_t is None else s * s_t
-    q = quantize_f32(g / eff, spec.format, rounding=spec.rounding, saturate=spec.saturate, rbits=rbits)
+    q = quantize_f32(divide_by_scale(g, eff, spec), spec.format, rounding=spec.rounding, saturate=spec.saturate, rbits=rbits)
     return q, s, s_t
 
 
@@ -64,12 +67,17 @@ def _fake_kernel(
     return _groups.ungroup(q * eff, spec, x.shape).to(x.dtype)
 
 
-def _check(x: torch.Tensor, spec: object) -> QuantSpec:
-    check_tensor(x)
+def _resolve(spec: object) -> QuantSpec:
     if isinstance(spec, str):
         spec = QuantSpec.named(spec)
     if not isinstance(spec, QuantSpec):
         raise ValueError(f"spec must be a QuantSpec or a spec name; got {type(spec).__name__}")
+    return spec
+
+
+def _check(x: torch.Tensor, spec: object) -> QuantSpec:
+    check_tensor(x)
+    spec = _resolve(spec)
     _groups.check_layout(x.shape, spec)
     return spec
 
@@ -124,8 +132,7 @@ def dequantize(
     ``shape``: the original tensor's shape; needed only for packed 4/6-bit codes whose last dimension was not a
     multiple of 2 (float4) or 4 (float6), otherwise inferred.
     """
-    if isinstance(spec, str):
-        spec = QuantSpec.named(spec)
+    spec = _resolve(spec)
     last = shape[-1] if shape else None
     elems = _codec.decode(codes, spec.format, last)
     if shape is not None and tuple(elems.shape) != tuple(shape):

@@ -24,8 +24,9 @@ smallest scale and zero codes.  A group containing NaN or inf gets a NaN scale, 
 to NaN (OCP MX: an E8M0 scale of 0xFF makes every element of its block NaN).
 
 With ``tensor_scale=True`` (NVFP4) a float32 per-tensor scale ``s_t = amax_tensor / (max_elem * max_scale)``
-comes first and group scales are computed from ``amax / s_t``; the effective scale is ``s_group * s_t`` (one
-float32 product, used for both quantization and dequantization).
+comes first and group scales are ``(amax / max_elem) / s_t`` rounded into the scale format; the effective scale is
+``s_group * s_t`` (one float32 product, used for both quantization and dequantization).  A NaN or inf anywhere in
+the tensor makes the tensor scale, and so the whole tensor, NaN.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ Scaling = Literal["none", "tensor", "axis", "block", "tile"]
 ScaleRounding = Literal["floor", "ceil", "nearest"]
 _SCALINGS = get_args(Scaling)
 _SCALE_ROUNDINGS = get_args(ScaleRounding)
+
+
+def _field_format(value: object, field: str) -> FormatSpec:
+    try:
+        return formats.get(value)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ValueError(f"QuantSpec.{field}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,7 +79,7 @@ class QuantSpec:
     """Two-level scaling: an extra float32 per-tensor scale (NVFP4)."""
 
     def __post_init__(self) -> None:
-        elem = formats.get(self.elem)
+        elem = _field_format(self.elem, "elem")
         if self.scaling not in _SCALINGS:
             raise ValueError(f"QuantSpec.scaling must be one of {_SCALINGS}; got {self.scaling!r}")
         if not isinstance(self.axis, int) or isinstance(self.axis, bool):
@@ -89,7 +97,7 @@ class QuantSpec:
                 raise ValueError(f"QuantSpec.tile must be a pair of positive ints such as (1, 128); got {t!r}")
         elif self.tile is not None:
             raise ValueError(f"QuantSpec.tile is only used with scaling='tile'; got scaling={self.scaling!r}")
-        sfmt = formats.get(self.scale_format)
+        sfmt = _field_format(self.scale_format, "scale_format")
         if sfmt.kind != "float":
             raise ValueError(f"QuantSpec.scale_format must be a float format; got {sfmt.name!r}")
         if self.scale_rounding not in _SCALE_ROUNDINGS:
