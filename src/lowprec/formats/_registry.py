@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 from ._spec import FormatSpec
+
+_EXMY = re.compile(r"^(?:float\d+_)?e(\d)m(\d{1,2})(fn|fnuz)?$")
 
 _F = FormatSpec
 _FORMATS: dict[str, FormatSpec] = {
@@ -36,16 +40,24 @@ def names() -> list[str]:
 def get(name: str | FormatSpec) -> FormatSpec:
     """The format called ``name`` (a ``FormatSpec`` is returned as is).
 
+    Besides the registered names, ``"eXmY"`` (optionally ``float{bits}_`` before and ``fn``/``fnuz`` after) names a
+    custom float with X exponent bits, Y mantissa bits and the IEEE bias, as built by ``FormatSpec.custom``.
+
     Raises ``ValueError`` listing the valid names when ``name`` is unknown.
     """
     if isinstance(name, FormatSpec):
         return name
     if not isinstance(name, str):
         raise ValueError(f"format must be a name or a FormatSpec, got {type(name).__name__}")
-    try:
+    if name in _FORMATS:
         return _FORMATS[name]
-    except KeyError:
+    m = _EXMY.match(name)
+    if m:  # "e3m4", "e8m13", "float8_e3m4fn": a custom ExMy float with the IEEE bias
+        special = {"fn": "fn", "fnuz": "fnuz", None: "ieee"}[m.group(3)]
+        spec = FormatSpec.custom(int(m.group(1)), int(m.group(2)), special=special)  # type: ignore[arg-type]
+        return spec
+    else:
         raise ValueError(
             f"unknown format {name!r}; valid names: {', '.join(_FORMATS)} "
-            "(or build one with FormatSpec.custom(ebits, mbits))"
-        ) from None
+            "(or an ExMy name such as 'e3m4' or 'e8m13fn', or FormatSpec.custom(ebits, mbits))"
+        )

@@ -1,0 +1,29 @@
+"""Recipes: training numerics as data, the built-in recipes and hardware numerics profiles."""
+
+from ._named import PROFILES as PROFILES
+from ._named import get as get
+from ._named import names as names
+from ._recipe import Accumulator as Accumulator
+from ._recipe import Gemm as Gemm
+from ._recipe import LinearRecipe as LinearRecipe
+from ._recipe import LossScaling as LossScaling
+from ._recipe import Operand as Operand
+from ._recipe import OptimizerState as OptimizerState
+from ._recipe import Recipe as Recipe
+from ._recipe import Scaling as Scaling
+from ._recipe import Weights as Weights
+
+__all__ = [
+    "PROFILES",
+    "Accumulator",
+    "Gemm",
+    "LinearRecipe",
+    "LossScaling",
+    "Operand",
+    "OptimizerState",
+    "Recipe",
+    "Scaling",
+    "Weights",
+    "get",
+    "names",
+]

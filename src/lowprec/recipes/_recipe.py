@@ -1,0 +1,260 @@
+"""``Recipe``: a complete, serialisable description of low-precision training numerics.
+
+A linear layer ``y = x @ W^T`` runs three GEMMs per step, and a recipe says how each operand of each is quantized
+and how each accumulates:
+
+    forward      y      = x  @ W^T      [B,K] @ [K,N] -> [B,N]     operands (input, weight)
+    grad_input   dL/dx  = dY @ W        [B,N] @ [N,K] -> [B,K]     operands (grad_output, weight)
+    grad_weight  dL/dW  = dY^T @ x      [N,B] @ [B,K] -> [N,K]     operands (grad_output, input)
+
+Operands are always quantized with their reduction dimension last, so ``axis=-1`` in an operand's ``QuantSpec``
+means "one scale per row of the GEMM" (rowwise) and blocks run along the reduction dimension, as hardware wants.
+
+Around the GEMMs the recipe fixes which modules stay in high precision, how weights are stored and updated
+(float32 masters, or low-precision weights updated with stochastic rounding or Kahan compensation), the formats of
+optimizer state and gradients, and loss scaling.  Everything is plain data: ``to_dict``/``from_dict``, JSON and
+TOML round-trip, and the hash of the canonical JSON identifies a recipe in a run record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Literal, get_args
+
+from .. import formats
+from ..quant import QuantSpec
+
+ScalingKind = Literal["current", "delayed"]
+AmaxAlgorithm = Literal["max", "most_recent"]
+WeightUpdate = Literal["master", "nearest", "stochastic", "kahan"]
+LossScaleKind = Literal["none", "static", "dynamic"]
+
+
+def _choice(value: object, allowed: tuple[str, ...], field: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def _int_in(value: object, lo: int, hi: int, field: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ValueError(f"{field} must be an int in [{lo}, {hi}]; got {value!r}")
+
+
+def _positive(value: object, field: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{field} must be a positive number; got {value!r}")
+
+
+def _format_name(value: object, field: str) -> None:
+    if value is None:
+        return
+    try:
+        formats.get(value)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scaling:
+    """How an operand's scale is chosen over time."""
+
+    kind: ScalingKind = "current"
+    """"current": from the tensor being cast; "delayed": from the amax history of previous steps."""
+    history_len: int = 16
+    """Delayed only: steps of amax history kept (TransformerEngine's default is 1024)."""
+    algorithm: AmaxAlgorithm = "max"
+    """Delayed only: "max" over the history, or the "most_recent" amax."""
+
+    def __post_init__(self) -> None:
+        _choice(self.kind, get_args(ScalingKind), "Scaling.kind")
+        _int_in(self.history_len, 1, 1 << 16, "Scaling.history_len")
+        _choice(self.algorithm, get_args(AmaxAlgorithm), "Scaling.algorithm")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Operand:
+    """One GEMM operand: its QuantSpec (None keeps it in float32) and its scaling policy."""
+
+    spec: QuantSpec | None = None
+    """How the operand is quantized; None: not quantized."""
+    scaling: Scaling = Scaling()
+    """Current or delayed scaling (delayed needs scaling="tensor" in ``spec``)."""
+
+    def __post_init__(self) -> None:
+        if self.spec is not None and not isinstance(self.spec, QuantSpec):
+            raise ValueError(f"Operand.spec must be a QuantSpec or None; got {type(self.spec).__name__}")
+        if self.scaling.kind == "delayed" and (self.spec is None or self.spec.scaling != "tensor"):
+            raise ValueError("Operand.scaling kind='delayed' needs a spec with scaling='tensor'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Accumulator:
+    """How a GEMM accumulates.
+
+    ``format=None`` is a float32 accumulator (a plain float32 matmul).  Otherwise products are added one at a time
+    into an accumulator that is rounded to ``format`` after every addition (``acc = Q(fl32(acc + a_k * b_k))``), and
+    every ``chunk`` products the partial sum is promoted: added into a float32 total and restarted at zero.  This
+    is the model of limited-precision tensor-core accumulation (DeepSeek-V3: about 14 mantissa bits on H800,
+    promoted every 128 elements); it costs one elementwise pass per reduction index.
+    """
+
+    format: str | None = None
+    """Accumulator format name (e.g. a custom e8m13), or None for float32."""
+    chunk: int | None = None
+    """Promote to float32 every ``chunk`` products (None: never)."""
+    rounding: Literal["nearest", "toward_zero"] = "nearest"
+    """Rounding of each accumulation step into ``format``."""
+
+    def __post_init__(self) -> None:
+        _format_name(self.format, "Accumulator.format")
+        if self.chunk is not None:
+            _int_in(self.chunk, 1, 1 << 30, "Accumulator.chunk")
+        _choice(self.rounding, ("nearest", "toward_zero"), "Accumulator.rounding")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gemm:
+    """One GEMM: operands a (rows) and b (columns), both with the reduction dimension last, and its accumulator."""
+
+    a: Operand = Operand()
+    b: Operand = Operand()
+    accumulator: Accumulator = Accumulator()
+    output_format: str | None = None
+    """Round the GEMM output to this format (e.g. "bfloat16" as autocast does); None keeps float32."""
+
+    def __post_init__(self) -> None:
+        _format_name(self.output_format, "Gemm.output_format")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearRecipe:
+    """The three GEMMs of a linear layer (see the module docstring for operand order)."""
+
+    forward: Gemm = Gemm()
+    """y = x @ W^T: a = input, b = weight."""
+    grad_input: Gemm = Gemm()
+    """dL/dx = dY @ W: a = grad_output, b = weight (transposed so its reduction dim is last)."""
+    grad_weight: Gemm = Gemm()
+    """dL/dW = dY^T @ x: a = grad_output^T, b = input^T."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossScaling:
+    """Loss scaling for formats with little range below 1 (fp16)."""
+
+    kind: LossScaleKind = "none"
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    """Dynamic: grow the scale after this many consecutive finite steps."""
+
+    def __post_init__(self) -> None:
+        _choice(self.kind, get_args(LossScaleKind), "LossScaling.kind")
+        _positive(self.init_scale, "LossScaling.init_scale")
+        if not isinstance(self.growth_factor, (int, float)) or not self.growth_factor >= 1:
+            raise ValueError(f"LossScaling.growth_factor must be >= 1; got {self.growth_factor!r}")
+        if not isinstance(self.backoff_factor, (int, float)) or not 0 < self.backoff_factor < 1:
+            raise ValueError(f"LossScaling.backoff_factor must be in (0, 1); got {self.backoff_factor!r}")
+        _int_in(self.growth_interval, 1, 1 << 30, "LossScaling.growth_interval")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Weights:
+    """How weights are stored and updated."""
+
+    update: WeightUpdate = "master"
+    """"master": float32 weights (the GEMM quantizes its own copy); "nearest", "stochastic", "kahan": weights
+    stored in ``format`` and updated with that rounding (kahan: nearest plus a compensation buffer)."""
+    format: str = "float32"
+    """Storage format of the weights when ``update`` is not "master"."""
+
+    def __post_init__(self) -> None:
+        _choice(self.update, get_args(WeightUpdate), "Weights.update")
+        _format_name(self.format, "Weights.format")
+        if self.update != "master" and self.format == "float32":
+            raise ValueError(
+                f"Weights.update={self.update!r} needs a low-precision Weights.format such as 'bfloat16'"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerState:
+    """Storage of optimizer state and gradients (None: float32)."""
+
+    exp_avg: QuantSpec | None = None
+    """First moment (Adam) or momentum buffer (SGD)."""
+    exp_avg_sq: QuantSpec | None = None
+    """Second moment (Adam)."""
+    grad: QuantSpec | None = None
+    """Gradients, quantized before the optimizer step."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Everything about the numerics of a training run.  Plain data; see the module docstring."""
+
+    name: str = "custom"
+    linear: LinearRecipe = LinearRecipe()
+    """Recipe for every converted linear layer (and ``lowprec.nn.functional.matmul``)."""
+    overrides: tuple[tuple[str, LinearRecipe], ...] = ()
+    """Per-module recipes: (fnmatch pattern on the module's qualified name, recipe); first match wins."""
+    keep_high_precision: tuple[str, ...] = ()
+    """fnmatch patterns on module names (e.g. "lm_head", "*.embed") whose linears are left unconverted."""
+    keep_types: tuple[str, ...] = ()
+    """Module class names left unconverted (their linears too), e.g. "Embedding"."""
+    weights: Weights = Weights()
+    optimizer: OptimizerState = OptimizerState()
+    loss_scaling: LossScaling = LossScaling()
+    seed: int = 0
+    """Seed of the stochastic-rounding streams (weight updates, stochastic GEMM operands)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Recipe.name must be a non-empty string; got {self.name!r}")
+        for i, item in enumerate(self.overrides):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], LinearRecipe)):
+                raise ValueError(f"Recipe.overrides[{i}] must be a (pattern, LinearRecipe) pair; got {item!r}")
+        for field in ("keep_high_precision", "keep_types"):
+            value = getattr(self, field)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"Recipe.{field} must be a tuple of strings; got {value!r}")
+        _int_in(self.seed, 0, (1 << 63) - 1, "Recipe.seed")
+
+    # ------------------------------------------------------------------------------------------- serialising
+    def to_dict(self) -> dict[str, Any]:
+        from ._serial import recipe_to_dict
+
+        return recipe_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Recipe:
+        from ._serial import recipe_from_dict
+
+        return recipe_from_dict(data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Recipe:
+        return cls.from_dict(json.loads(text))
+
+    def to_toml(self) -> str:
+        from ._serial import dict_to_toml
+
+        return dict_to_toml(self.to_dict())
+
+    @classmethod
+    def from_toml(cls, text: str) -> Recipe:
+        import tomllib
+
+        return cls.from_dict(tomllib.loads(text))
+
+    def hash(self) -> str:
+        """SHA-256 (first 16 hex digits) of the canonical JSON: identifies the numerics of a run."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
