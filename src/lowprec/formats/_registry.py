@@ -54,10 +54,13 @@ def get(name: str | FormatSpec) -> FormatSpec:
     m = _EXMY.match(name)
     if m:  # "e3m4", "e8m13", "float8_e3m4fn": a custom ExMy float with the IEEE bias
         special = {"fn": "fn", "fnuz": "fnuz", None: "ieee"}[m.group(3)]
-        spec = FormatSpec.custom(int(m.group(1)), int(m.group(2)), special=special)  # type: ignore[arg-type]
-        return spec
+        try:
+            return FormatSpec.custom(int(m.group(1)), int(m.group(2)), special=special)  # type: ignore[arg-type]
+        except ValueError as e:
+            problem = f"format {name!r} cannot be built: {e}"
     else:
-        raise ValueError(
-            f"unknown format {name!r}; valid names: {', '.join(_FORMATS)} "
-            "(or an ExMy name such as 'e3m4' or 'e8m13fn', or FormatSpec.custom(ebits, mbits))"
-        )
+        problem = f"unknown format {name!r}"
+    raise ValueError(
+        f"{problem}; valid names: {', '.join(_FORMATS)} "
+        "(or an ExMy name such as 'e3m4' or 'e8m13fn', or FormatSpec.custom(ebits, mbits))"
+    )
