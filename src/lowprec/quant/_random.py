@@ -89,3 +89,36 @@ def offset_tensor(offset: int, device: torch.device | str = "cpu") -> torch.Tens
 def draw_seed() -> int:
     """A seed drawn from torch's default generator (so ``torch.manual_seed`` makes it reproducible)."""
     return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+def stream_seed(seed: int, *names: str) -> int:
+    """A 64-bit seed for a named random stream (e.g. one GEMM operand of one module) derived from ``seed``.
+
+    Uses SHA-256 of the names, so it does not depend on Python's per-process string hashing.
+    """
+    import hashlib
+
+    digest = hashlib.sha256("\x00".join((str(seed), *names)).encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def derive_keys(keys: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Keys for step ``step`` of a stream (int32 tensor ops, so compiled code does not specialise on the step).
+
+    ``k1' = h(k1 ^ h(s_lo ^ SALT) ^ h(s_hi))``, ``k2' = h(k2 ^ k1')`` with ``s`` the 64-bit step; the same words as
+    ``derive_keys_py``.
+    """
+    s = step.to(torch.int64)
+    lo = (s & _MASK32).to(torch.int64)
+    lo = torch.where(lo >= 1 << 31, lo - (1 << 32), lo).to(torch.int32)
+    hi = ((s >> 32) & _MASK32).to(torch.int32)
+    k1 = _hash32(keys[0] ^ _hash32(lo ^ _to_i32(_SALT)) ^ _hash32(hi))
+    k2 = _hash32(keys[1] ^ k1)
+    return torch.stack([k1, k2])
+
+
+def derive_keys_py(k1: int, k2: int, step: int) -> tuple[int, int]:
+    """Reference for ``derive_keys`` on Python ints."""
+    lo, hi = step & _MASK32, (step >> 32) & _MASK32
+    n1 = hash32_py(k1 ^ hash32_py(lo ^ _SALT) ^ hash32_py(hi))
+    return n1, hash32_py(k2 ^ n1)

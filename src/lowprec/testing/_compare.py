@@ -9,7 +9,7 @@ _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.floa
 
 def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio ``20 log10(||x|| / ||x - y||)`` in dB (inf when ``y == x``)."""
-    xd, yd = x.double(), y.double()
+    xd, yd = x.detach().double(), y.detach().double()
     noise = (xd - yd).norm()
     return float("inf") if noise == 0 else float(20 * torch.log10(xd.norm() / noise))
 

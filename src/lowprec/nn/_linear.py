@@ -1,0 +1,204 @@
+"""``EmulatedLinear``: an ``nn.Linear`` whose three GEMMs follow a ``LinearRecipe``.
+
+Forward and backward of ``y = x @ W^T + b`` (x: [..., K], W: [N, K]):
+
+    y     = Q(x) @ Q(W)^T           forward      a = input [B,K],          b = weight [N,K]
+    dx    = Q(dY) @ Q(W^T)^T        grad_input   a = grad_output [B,N],    b = weight^T [K,N]
+    dW    = Q(dY^T) @ Q(x^T)^T      grad_weight  a = grad_output^T [N,B],  b = input^T [K,B]
+
+Each ``Q`` is the recipe's ``Operand`` for that GEMM, applied with the reduction dimension last; each product goes
+through the GEMM's ``Accumulator`` and optional output rounding.  The bias is added in float32 after the GEMM (as
+torchao's Float8Linear does).  Weights keep their ``Parameter`` objects, so optimizers and state dicts are unchanged.
+
+Delayed scaling keeps one amax history per tensor role (input, weight, grad_output) in buffers named
+``amax_history_<role>``; stochastic operands draw their random bits from ``(recipe seed, module, GEMM, operand,
+step)`` with the step counter in the buffer ``lp_step``.  Those buffers exist only when the recipe needs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import formats
+from ..quant import _random
+from ..quant import quantize as _quantize
+from ..quant._scaled import fake_quantize_tensors
+from ..recipes import Gemm, LinearRecipe, Operand
+from ._accum import accumulate_matmul
+
+ROLES = ("input", "weight", "grad_output")
+# (gemm, operand) -> tensor role
+_ROLE = {
+    ("forward", "a"): "input",
+    ("forward", "b"): "weight",
+    ("grad_input", "a"): "grad_output",
+    ("grad_input", "b"): "weight",
+    ("grad_weight", "a"): "grad_output",
+    ("grad_weight", "b"): "input",
+}
+
+
+def _operands(lin: LinearRecipe) -> dict[tuple[str, str], Operand]:
+    return {(g, o): getattr(getattr(lin, g), o) for g in ("forward", "grad_input", "grad_weight") for o in "ab"}
+
+
+class _Ctx:
+    """What the autograd function needs from the module (kept out of autograd's saved tensors)."""
+
+    def __init__(self, module: EmulatedLinear, keys: Keys | None) -> None:
+        self.module = module
+        self.keys = keys
+
+
+Keys = dict[tuple[str, str], torch.Tensor]
+
+
+def _operand(t: torch.Tensor, op: Operand, keys: torch.Tensor | None, amax: torch.Tensor | None) -> torch.Tensor:
+    """``t`` (float32, reduction dim last) quantized per ``op``; ``amax`` overrides the scale's amax (delayed)."""
+    if op.spec is None:
+        return t
+    off = None
+    if op.spec.rounding == "stochastic":
+        if keys is None:
+            raise ValueError("a stochastic-rounding operand needs random keys")
+        off = torch.zeros((), dtype=torch.int32, device=t.device)
+    else:
+        keys = None
+    return fake_quantize_tensors(t, op.spec, keys=keys, offset=off, amax=amax)
+
+
+def gemm(
+    a: torch.Tensor, b: torch.Tensor, spec: Gemm, name: str, keys: Keys | None, amax: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """One emulated GEMM ``Q(a) @ Q(b)^T`` (reduction dim last in both) with accumulator and output rounding."""
+    ops = []
+    for which, t, op in (("a", a, spec.a), ("b", b, spec.b)):
+        role_amax = amax.get(_ROLE[(name, which)]) if op.scaling.kind == "delayed" else None
+        ops.append(_operand(t, op, keys.get((name, which)) if keys else None, role_amax))
+    out = accumulate_matmul(ops[0], ops[1], spec.accumulator)
+    if spec.output_format is not None:
+        out = _quantize(out, formats.get(spec.output_format))
+    return out
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, info: _Ctx
+    ) -> torch.Tensor:
+        m = info.module
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        w = weight.to(torch.float32)
+        amax = m._delayed_amax({"input": x2, "weight": w})
+        # y = x @ W^T   [B,K] @ [K,N] -> [B,N]
+        y = gemm(x2, w, m.recipe.forward, "forward", info.keys, amax)
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        ctx.save_for_backward(x2, w)
+        ctx.info, ctx.amax, ctx.has_bias = info, amax, bias is not None
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x2, w = ctx.saved_tensors
+        m, keys = ctx.info.module, ctx.info.keys
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
+        amax = dict(ctx.amax)
+        amax.update(m._delayed_amax({"grad_output": g2}))
+        # grad_input = dY @ W   [B,N] @ [N,K] -> [B,K]   (b = W^T [K,N], reduction dim N last)
+        gx = gemm(g2, w.t(), m.recipe.grad_input, "grad_input", keys, amax)
+        # grad_weight = dY^T @ x   [N,B] @ [B,K] -> [N,K]   (a = dY^T [N,B], b = x^T [K,B])
+        gw = gemm(g2.t(), x2.t(), m.recipe.grad_weight, "grad_weight", keys, amax)
+        gb = g2.sum(0) if ctx.has_bias else None
+        return gx.reshape(ctx.x_shape).to(ctx.x_dtype), gw.to(ctx.w_dtype), gb, None
+
+
+class EmulatedLinear(nn.Linear):
+    """``nn.Linear`` with recipe-emulated GEMMs.  Build with ``from_linear`` (or ``lowprec.convert``)."""
+
+    recipe: LinearRecipe
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: LinearRecipe,
+                 seed: int = 0, name: str = "", device: Any = None, dtype: Any = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._setup(recipe, seed, name)
+
+    def _setup(self, recipe: LinearRecipe, seed: int, name: str) -> None:
+        self.recipe = recipe
+        self.lowprec_name = name
+        ops = _operands(recipe)
+        self._delayed: dict[str, int] = {}
+        for (g, o), op in ops.items():
+            if op.scaling.kind == "delayed":
+                role = _ROLE[(g, o)]
+                self._delayed[role] = max(self._delayed.get(role, 0), op.scaling.history_len)
+                self._algorithm = op.scaling.algorithm
+        dev = self.weight.device
+        for role, n in self._delayed.items():
+            self.register_buffer(f"amax_history_{role}", torch.zeros(n, dtype=torch.float32, device=dev))
+        self._stochastic = any(op.spec is not None and op.spec.rounding == "stochastic" for op in ops.values())
+        self._base_keys = {
+            key: _random.key_tensor(_random.stream_seed(seed, name, *key), dev) for key in ops
+        }
+        if self._stochastic:
+            self.register_buffer("lp_step", torch.zeros((), dtype=torch.int64, device=dev))
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, recipe: LinearRecipe, *, seed: int = 0, name: str = "") -> EmulatedLinear:
+        """An EmulatedLinear sharing ``lin``'s Parameter objects (no copy)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = lin.in_features, lin.out_features
+        new.weight = lin.weight
+        new.bias = lin.bias
+        new._setup(recipe, seed, name)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` sharing this module's Parameter objects."""
+        lin = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(lin)
+        lin.in_features, lin.out_features = self.in_features, self.out_features
+        lin.weight, lin.bias = self.weight, self.bias
+        return lin
+
+    def _delayed_amax(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """For each delayed role in ``tensors``: the amax to scale with now, and record the current amax.
+
+        The scale uses the history of previous steps (max, or the most recent entry); on the first step, when the
+        history is still empty (all zero), the current amax is used.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for role, t in tensors.items():
+            if role not in self._delayed:
+                continue
+            hist: torch.Tensor = getattr(self, f"amax_history_{role}")
+            with torch.no_grad():
+                current = t.abs().amax() if t.numel() else t.new_zeros(())
+                past = hist.amax() if self._algorithm == "max" else hist[0]
+                out[role] = torch.where(past > 0, past, current)
+                hist.copy_(torch.cat([current.reshape(1), hist[:-1]]))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = None
+        if self._stochastic:
+            with torch.no_grad():
+                self.lp_step += 1
+            dev = self.lp_step.device
+            keys = {k: _random.derive_keys(base.to(dev), self.lp_step) for k, base in self._base_keys.items()}
+        return _LinearFn.apply(x, self.weight, self.bias, _Ctx(self, keys))  # type: ignore[no-any-return]
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # A plain nn.Linear state dict has no lowprec buffers: keep their current values instead of failing.
+        for name, buf in self._buffers.items():
+            if buf is not None and prefix + name not in state_dict:
+                state_dict[prefix + name] = buf
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", lowprec={self.lowprec_name or 'linear'}"
