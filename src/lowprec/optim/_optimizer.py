@@ -1,0 +1,140 @@
+"""``LowPrecisionOptimizer``: a recipe's weight-update, optimizer-state and loss-scaling policy around any
+``torch.optim`` optimizer.
+
+The wrapped optimizer computes each update in float32 as usual; the wrapper then decides what is stored:
+
+* ``Weights.update="master"``: nothing changes (float32 master weights; GEMMs quantize their own copies).
+* ``"nearest"``: weights live on the ``Weights.format`` grid; ``w <- Q_nearest(w + u)``.  Updates smaller than half a
+  step of the weight are lost, so training stalls when ``|u| << eps * |w|`` (pure bf16's known failure).
+* ``"stochastic"``: ``w <- Q_sr(w + u)``, unbiased: ``E[w_new] = w + u``.  The random stream depends on (recipe seed,
+  step, parameter index) only, never on the world size or the device.
+* ``"kahan"``: Kahan-compensated summation with a compensation buffer ``c`` in the same format:
+  ``y = u - c;  t = Q(w + y);  c = Q((t - w) - y);  w = t``; the rounding error of each step is carried into the next.
+
+Here ``u`` is the optimizer's float32 update ``w_after - w_before``.  Optimizer state: after each step the Adam
+moments ``exp_avg``/``exp_avg_sq`` and SGD's ``momentum_buffer`` (treated as ``exp_avg``) are replaced by their
+fake-quantized values per ``OptimizerState``; gradients are fake-quantized per ``OptimizerState.grad`` before the
+step.  AdamW, Adam and SGD (with momentum) are first-class; other optimizers get the weight policy, gradient
+quantization and loss scaling, and any state tensors with those three names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import recipes
+from ..quant import QuantSpec, fake_quantize, quantize
+from ..quant._random import stream_seed
+from ..recipes import Recipe
+from ._scaler import LossScaler
+
+_STATE_SPEC = {"exp_avg": "exp_avg", "momentum_buffer": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+class LowPrecisionOptimizer:
+    """Wraps ``optimizer`` with ``recipe``'s policies.  Use ``scale_loss(loss).backward()`` then ``step()``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, recipe: Recipe | str) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.recipe = recipes.get(recipe)
+        self.scaler = LossScaler(self.recipe.loss_scaling)
+        self.steps = 0
+        self.compensation: dict[int, torch.Tensor] = {}
+        w = self.recipe.weights
+        if w.update != "master":
+            with torch.no_grad():
+                for i, p in enumerate(self._params()):
+                    p.copy_(quantize(p, w.format))  # weights start on the storage grid
+                    if w.update == "kahan":
+                        self.compensation[i] = torch.zeros_like(p)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward()`` on (multiplied by the loss scale when the recipe scales losses)."""
+        return self.scaler.scale_loss(loss)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> bool:
+        """Unscale and check gradients, quantize them, step, apply the weight and state policies.
+
+        Returns False (and changes no weight) when loss scaling found a non-finite gradient.
+        """
+        params = self._params()
+        finite = self.scaler.unscale_and_check(params)
+        self.scaler.update(finite)
+        if not finite:
+            self.zero_grad()
+            return False
+        opt_state = self.recipe.optimizer
+        with torch.no_grad():
+            if opt_state.grad is not None:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.copy_(fake_quantize(p.grad, opt_state.grad))
+            before = [p.detach().clone() for p in params] if self.recipe.weights.update != "master" else []
+        self.optimizer.step(closure)  # type: ignore[arg-type]
+        with torch.no_grad():
+            if before:
+                self._apply_weight_policy(params, before)
+            self._quantize_state(params)
+        self.steps += 1
+        return True
+
+    def _apply_weight_policy(self, params: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+        w = self.recipe.weights
+        for i, (p, old) in enumerate(zip(params, before, strict=True)):
+            if w.update == "nearest":
+                p.copy_(quantize(p, w.format))
+            elif w.update == "stochastic":
+                seed = stream_seed(self.recipe.seed, "weight-update", str(self.steps), str(i))
+                p.copy_(quantize(p, w.format, rounding="stochastic", seed=seed))
+            else:  # kahan
+                c = self.compensation[i]
+                y = (p - old) - c  # the update, minus the error carried from the last step
+                t = quantize(old + y, w.format)
+                c.copy_(quantize((t - old) - y, w.format))
+                p.copy_(t)
+
+    def _quantize_state(self, params: list[torch.Tensor]) -> None:
+        specs: dict[str, QuantSpec | None] = {
+            "exp_avg": self.recipe.optimizer.exp_avg,
+            "exp_avg_sq": self.recipe.optimizer.exp_avg_sq,
+        }
+        if not any(specs.values()):
+            return
+        for p in params:
+            state = self.optimizer.state.get(p, {})
+            for key, which in _STATE_SPEC.items():
+                spec = specs[which]
+                t = state.get(key)
+                if spec is not None and isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    t.copy_(fake_quantize(t, spec))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "steps": self.steps,
+            "compensation": {i: c.clone() for i, c in self.compensation.items()},
+            "recipe": self.recipe.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.steps = int(state["steps"])
+        for i, c in state["compensation"].items():
+            self.compensation[int(i)].copy_(c)
