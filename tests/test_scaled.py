@@ -194,8 +194,10 @@ def groups_of(shape: tuple[int, ...], spec: QuantSpec) -> list[tuple]:
 
 
 def ref_float32_scaled(x: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, list[float]]:
-    """Reference with float32 scales: per group s = amax / max_elem (float32, clamped to [2^-149, max]),
-    elements = Q(x / s) * s in float32.  Returns values and the per-group scales in groups_of order."""
+    """Reference with float32 scales, the TransformerEngine/torchao convention: per group the multiplier
+    m = float32(max_elem / amax) computed in float64 and rounded once (as torchao's amax_to_scale does; amax 0 gives
+    the largest float32), elements = Q(x * m) * float32(1 / m).  Returns values and the per-group stored
+    (dequantization) scales float32(1 / m) in groups_of order."""
     x = np.asarray(x, dtype=np.float32)
     elem = spec.format.name
     me = np.float32(elem_max(elem))
@@ -211,10 +213,10 @@ def ref_float32_scaled(x: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, list
             out[g] = np.nan
             scales.append(float("nan"))
             continue
-        s = np.float32(amax / me)
-        s = np.float32(min(max(float(s), 2.0**-149), _F32_MAX))
-        scales.append(float(s))
-        out[g] = cast_elem(blk / s, elem) * s
+        mult = np.float32(min(float(me) / float(amax), _F32_MAX)) if amax > 0 else np.float32(_F32_MAX)
+        inv = np.float32(1.0 / float(mult))  # float64 quotient rounded once to float32 = correctly rounded
+        scales.append(float(inv))
+        out[g] = cast_elem((blk * mult).astype(np.float32), elem) * inv
     return out, scales
 
 
@@ -511,8 +513,8 @@ def test_float32_scaled_matches_group_loop(spec: QuantSpec) -> None:
     """Tensorwise / axis / block / tile scaling with float32 scales equals an explicit loop over the groups.
 
     Oracle: groups_of enumerates each group with Python slicing (tiles over the last two dims, edge tiles
-    smaller; blocks along the axis, last one shorter); per group s = float32(amax / max_elem), elements =
-    ml_dtypes saturating cast of x / s, times s.  Scales are checked in their documented public shapes.
+    smaller; blocks along the axis, last one shorter); per group m = float32(max_elem / amax), elements =
+    ml_dtypes saturating cast of x * m, times float32(1 / m).  Scales are checked in their documented public shapes.
     """
     for i, shape in enumerate(_F32_SHAPES):
         if spec.scaling == "axis" and spec.axis >= len(shape):
@@ -670,16 +672,17 @@ def test_all_zero_block(name: str) -> None:
 
 
 def test_all_zero_tensor_tensorwise_and_nvfp4() -> None:
-    """amax = 0: tensorwise float32 scale is the smallest float32 (2^-149); NVFP4 uses s_t = 1 and block
-    scales 2^-9 (smallest e4m3); outputs are zeros with the input's signs.
+    """amax = 0: the tensorwise float32 multiplier is the largest float32, stored as its reciprocal; NVFP4 uses
+    s_t = 1 and block scales 2^-9 (smallest e4m3); outputs are zeros with the input's signs.
 
-    Oracle: the _spec docstring (clamp to the scale format's [smallest, max]) and _scale's "1 for an all-zero
-    tensor" tensor scale; -0 * s = -0 in IEEE arithmetic.
+    Oracle: the _spec docstring (float32 scales: multiplier max_elem / amax clamped to float32 max; other scale
+    formats clamp to [smallest, max]) and _scale's "1 for an all-zero tensor" tensor scale; -0 * s = -0 in IEEE
+    arithmetic.
     """
     x = torch.tensor([[0.0, -0.0, 0.0, -0.0] * 8])
     for name in ("fp8_e4m3_tensorwise", "fp8_e5m2_tensorwise", "fp8_e4m3_rowwise"):
         codes, scales = lowprec.quantize_scaled(x, name)
-        assert torch.all(scales == 2.0**-149), name
+        assert torch.all(scales == torch.tensor(1.0 / _F32_MAX, dtype=torch.float32)), name
         assert_same_bits(lowprec.fake_quantize(x, name), x, name)
         assert_same_bits(lowprec.dequantize(codes, scales, name), x, name + " deq")
     codes, scales = lowprec.quantize_scaled(x, "nvfp4")

@@ -55,11 +55,26 @@ def float_scale(raw: torch.Tensor, spec: QuantSpec, sfmt: FormatSpec) -> torch.T
     return torch.clamp(raw, min=sfmt.min_subnormal, max=sfmt.max)
 
 
+def uses_multiplier(spec: QuantSpec) -> bool:
+    """True for float32 scales, which follow TransformerEngine/torchao: a quantization multiplier
+    ``m = max_elem / amax`` (codes = Q(x * m)) whose float32 reciprocal ``1/m`` is the stored dequantization scale
+    (the ``scale_a``/``scale_b`` that ``torch._scaled_mm`` takes)."""
+    sfmt = spec.scale_spec
+    return sfmt.mbits == 23 and sfmt.emin <= -126
+
+
 def group_scale(amax: torch.Tensor, spec: QuantSpec, tensor_scale: torch.Tensor | None) -> torch.Tensor:
-    """Scale per group (float32, values exactly in ``spec.scale_format``); NaN for groups with NaN/inf."""
+    """Per group: the dequantization scale (float32, exactly in ``spec.scale_format``), or for float32 scales the
+    quantization multiplier ``m`` (see ``uses_multiplier``); NaN for groups with NaN/inf."""
     elem, sfmt = spec.format, spec.scale_spec
     finite = amax <= _F32_MAX  # False for NaN and inf
     safe = torch.where(finite, amax, 0.0)
+    if uses_multiplier(spec):
+        # A tensor numerator: ``python_float / tensor`` is computed as reciprocal-then-multiply (two roundings).
+        m = torch.clamp(torch.full_like(safe, elem.max) / safe, max=_F32_MAX)  # amax 0 -> inf -> float32 max
+        if spec.margin:
+            m = m * float(2.0**-spec.margin)
+        return torch.where(finite, m, float("nan"))
     if not sfmt.signed:
         s = pow2_scale(safe, spec, elem, sfmt)
     else:
@@ -78,15 +93,3 @@ def tensor_scale_from_amax(amax: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     s = torch.where(amax > 0, torch.clamp(amax / denom, min=float.fromhex("0x1p-126")), 1.0)
     return torch.where(finite, s, float("nan"))
 
-
-def divide_by_scale(v: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """``v / scale``, the same bits computed faster where that is exact.
-
-    Power-of-two scale formats (E8M0: ``scale = 2^k`` with ``k`` in ``[-127, 127]``) multiply by ``2^-k`` instead:
-    ``2^-k`` is itself a float32 (a subnormal for ``k = 127``, still exact), so ``1 / scale`` is exact and
-    ``v * 2^-k`` is the correctly rounded value of the same real number ``v / 2^k``, subnormal or overflowing
-    results included.  A NaN scale stays NaN either way.
-    """
-    if spec.scale_spec.mbits == 0 and not spec.tensor_scale:
-        return v * (1.0 / scale)
-    return v / scale

@@ -16,8 +16,10 @@ For each group, ``amax = max |x|`` and the scale is ``amax / max_elem`` (times `
   ``"floor"``: ``2^(floor(log2 amax) - emax_elem)``, the OCP MX v1.0 rule (it can clip the block maximum, which
   the element cast then saturates); ``"ceil"``: the smallest power of two with ``scale * max_elem >= amax`` (never
   clips; NVIDIA's MXFP8 recipe); ``"nearest"``: ``amax / max_elem`` rounded to the nearest power of two.
-* other scale formats (float32, bfloat16, float8_e4m3fn for NVFP4): ``amax / max_elem`` rounded to the scale
-  format with ``"nearest"`` (ties to even), ``"floor"`` (down) or ``"ceil"`` (up, never clips).
+* float32 scales follow TransformerEngine/torchao: the multiplier ``m = max_elem / amax`` (times ``2^-margin``)
+  quantizes, ``codes = Q(x * m)``, and its float32 reciprocal ``fl(1/m)`` is the stored dequantization scale;
+* other scale formats (bfloat16, float8_e4m3fn for NVFP4): ``amax / max_elem`` rounded to the scale format with
+  ``"nearest"`` (ties to even), ``"floor"`` (down) or ``"ceil"`` (up, never clips); ``codes = Q(x / scale)``.
 
 Scales are clamped to the scale format's positive range ``[smallest, max]``; an all-zero group thus gets the
 smallest scale and zero codes.  A group containing NaN or inf gets a NaN scale, and the whole group dequantizes
@@ -111,6 +113,14 @@ class QuantSpec:
         check_bool(self.tensor_scale, "QuantSpec.tensor_scale")
         if self.tensor_scale and self.scaling in ("none", "tensor"):
             raise ValueError("QuantSpec.tensor_scale needs scaling 'axis', 'block' or 'tile'")
+        is_f32 = sfmt.mbits == 23 and sfmt.emin <= -126
+        if is_f32 and self.scale_rounding != "nearest":
+            raise ValueError(
+                f"QuantSpec.scale_rounding={self.scale_rounding!r} needs a narrower scale format: float32 scales are "
+                "one correctly rounded division; use scale_format='float8_e8m0fnu' for power-of-two scales"
+            )
+        if self.tensor_scale and is_f32:
+            raise ValueError("QuantSpec.tensor_scale needs a narrow group scale format (NVFP4: float8_e4m3fn)")
         if self.tensor_scale and not sfmt.signed:
             raise ValueError("QuantSpec.tensor_scale is for non-power-of-two scale formats (NVFP4's float8_e4m3fn)")
         if elem.kind == "float" and not elem.signed:
