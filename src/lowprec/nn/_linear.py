@@ -84,6 +84,10 @@ def gemm(
     return out
 
 
+def _is_plain(g: Gemm) -> bool:
+    return g.a.spec is None and g.b.spec is None and g.accumulator.format is None and g.output_format is None
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -93,10 +97,14 @@ class _LinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         w = weight.to(torch.float32)
         amax = m._delayed_amax({"input": x2, "weight": w})
-        # y = x @ W^T   [B,K] @ [K,N] -> [B,N]
-        y = gemm(x2, w, m.recipe.forward, "forward", info.keys, amax)
-        if bias is not None:
-            y = y + bias.to(torch.float32)
+        fwd = m.recipe.forward
+        if _is_plain(fwd):  # nothing to emulate: exactly nn.Linear's float32 addmm
+            y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(torch.float32))
+        else:
+            # y = x @ W^T   [B,K] @ [K,N] -> [B,N]; the bias is added after the GEMM, as torchao does
+            y = gemm(x2, w, fwd, "forward", info.keys, amax)
+            if bias is not None:
+                y = y + bias.to(torch.float32)
         ctx.save_for_backward(x2, w)
         ctx.info, ctx.amax, ctx.has_bias = info, amax, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype

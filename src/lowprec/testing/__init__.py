@@ -2,7 +2,8 @@
 
 from ._compare import assert_bitwise_equal as assert_bitwise_equal
 from ._compare import sqnr_db as sqnr_db
+from .tolerances import SQNR_FLOORS as SQNR_FLOORS
 from .tolerances import TOLERANCES as TOLERANCES
 from .tolerances import Tolerance as Tolerance
 
-__all__ = ["TOLERANCES", "Tolerance", "assert_bitwise_equal", "sqnr_db"]
+__all__ = ["SQNR_FLOORS", "TOLERANCES", "Tolerance", "assert_bitwise_equal", "sqnr_db"]
