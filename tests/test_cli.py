@@ -65,3 +65,16 @@ def test_demo_prints_every_spec_and_the_stochastic_rounding_example() -> None:
     for name in lowprec.QuantSpec.names():
         assert any(line.startswith(name + " ") for line in r.stdout.splitlines()), name
     assert "nearest-even: 1024.0" in r.stdout
+
+
+def test_recipes_lists_every_recipe_and_shows_one_as_loadable_toml() -> None:
+    """Oracle: lowprec.recipes.names() and Recipe.from_toml of the printed text equals the built-in recipe."""
+    r = run_cli("recipes")
+    assert r.returncode == 0, r.stderr
+    listed = [line.split()[0] for line in r.stdout.splitlines()]
+    assert listed == lowprec.recipes.names()
+    r = run_cli("recipes", "--show", "fp8-delayed")
+    assert r.returncode == 0, r.stderr
+    assert lowprec.Recipe.from_toml(r.stdout) == lowprec.recipes.get("fp8-delayed")
+    r = run_cli("recipes", "--show", "no-such-recipe")
+    assert r.returncode == 2 and "valid names" in r.stderr and "Traceback" not in r.stderr

@@ -46,6 +46,23 @@ def cmd_formats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from . import recipes
+
+    if args.show:
+        r = recipes.get(args.show)
+        print(r.to_toml() if args.format == "toml" else r.to_json())
+        return 0
+    from .recipes import _named
+
+    for name in recipes.names():
+        doc = " ".join((getattr(_named, name.replace("-", "_")).__doc__ or "").split())
+        doc = doc if len(doc) <= 100 else doc[:99] + "…"
+        kind = "profile" if name in recipes.PROFILES else "recipe"
+        print(f"{name:<26}{kind:<9}{recipes.get(name).hash()}  {doc}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ._demo import run_demo
 
@@ -62,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("formats", help="print the table of number formats")
     f.add_argument("--json", action="store_true", help="print JSON instead of a table")
     f.set_defaults(func=cmd_formats)
+    r = sub.add_parser("recipes", help="list the built-in recipes and hardware profiles, or show one")
+    r.add_argument("--show", metavar="NAME", help="print one recipe in full")
+    r.add_argument("--format", choices=("toml", "json"), default="toml", help="format for --show (default toml)")
+    r.set_defaults(func=cmd_recipes)
     d = sub.add_parser("demo", help="quantize a tensor with every named spec and print the error")
     d.add_argument("--seed", type=int, default=0, help="seed for the demo tensor (default 0)")
     d.set_defaults(func=cmd_demo)
