@@ -6,7 +6,7 @@ import re
 
 from ._spec import FormatSpec
 
-_EXMY = re.compile(r"^(?:float\d+_)?e(\d)m(\d{1,2})(fn|fnuz)?$")
+_EXMY = re.compile(r"^(?:float(\d+)_)?e(\d)m(\d{1,2})(fn|fnuz)?$")
 
 _F = FormatSpec
 _FORMATS: dict[str, FormatSpec] = {
@@ -53,11 +53,15 @@ def get(name: str | FormatSpec) -> FormatSpec:
         return _FORMATS[name]
     m = _EXMY.match(name)
     if m:  # "e3m4", "e8m13", "float8_e3m4fn": a custom ExMy float with the IEEE bias
-        special = {"fn": "fn", "fnuz": "fnuz", None: "ieee"}[m.group(3)]
-        try:
-            return FormatSpec.custom(int(m.group(1)), int(m.group(2)), special=special)  # type: ignore[arg-type]
-        except ValueError as e:
-            problem = f"format {name!r} cannot be built: {e}"
+        bits, ebits, mbits = m.group(1), int(m.group(2)), int(m.group(3))
+        special = {"fn": "fn", "fnuz": "fnuz", None: "ieee"}[m.group(4)]
+        if bits is not None and int(bits) != 1 + ebits + mbits:
+            problem = f"format {name!r} has {1 + ebits + mbits} bits (1 + {ebits} + {mbits}), not {bits}"
+        else:
+            try:
+                return FormatSpec.custom(ebits, mbits, special=special)  # type: ignore[arg-type]
+            except ValueError as e:
+                problem = f"format {name!r} cannot be built: {e}"
     else:
         problem = f"unknown format {name!r}"
     raise ValueError(

@@ -159,6 +159,8 @@ class LossScaling:
         if not isinstance(self.backoff_factor, (int, float)) or not 0 < self.backoff_factor < 1:
             raise ValueError(f"LossScaling.backoff_factor must be in (0, 1); got {self.backoff_factor!r}")
         _int_in(self.growth_interval, 1, 1 << 30, "LossScaling.growth_interval")
+        for field in ("init_scale", "growth_factor", "backoff_factor"):  # 2 and 2.0: one recipe, one hash
+            object.__setattr__(self, field, float(getattr(self, field)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -214,6 +216,8 @@ class Recipe:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Recipe.name must be a non-empty string; got {self.name!r}")
+        if not isinstance(self.overrides, tuple):
+            raise ValueError(f"Recipe.overrides must be a tuple of (pattern, LinearRecipe) pairs; got {self.overrides!r}")
         for i, item in enumerate(self.overrides):
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                     and isinstance(item[1], LinearRecipe)):
