@@ -74,3 +74,16 @@ def test_bf16_input_compiled_matches_eager() -> None:
     x = _varied((32, 256), seed=2).bfloat16()
     e, c = _both(lowprec.fake_quantize, x, "mxfp8_e4m3")
     assert_bitwise_equal(c, e, context="bf16 input mxfp8")
+
+
+@pytest.mark.slow
+def test_many_float32_scales_compiled_matches_eager() -> None:
+    """2048 rowwise float32 scales (multiplier max/amax and its reciprocal): inductor must keep both divisions
+    correctly rounded (a reciprocal-multiply rewrite would differ in many rows)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2048, 64, generator=g) * torch.exp2(torch.randint(-20, 20, (2048, 1), generator=g).float())
+    e, c = _both(lowprec.fake_quantize, x, "fp8_e5m2_rowwise")
+    assert_bitwise_equal(c, e, context="rowwise 2048 scales")
+    with lowprec.quant.backend("compiled"):
+        codes, scales = lowprec.quantize_scaled(x, "fp8_e5m2_rowwise")
+    assert_bitwise_equal(lowprec.dequantize(codes, scales, "fp8_e5m2_rowwise"), e, context="stored scales")
