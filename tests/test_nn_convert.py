@@ -252,6 +252,20 @@ def test_unconvert_restores_plain_linears() -> None:
     lowprec.convert(model, "fp32")  # convertible again
 
 
+def test_convert_and_unconvert_keep_training_mode() -> None:
+    """Swapping modules in place must not change train/eval mode: after model.eval(), convert and unconvert leave
+    every module (the swapped linears included) in eval mode, and a model in training mode stays in training mode
+    (oracle: the ``training`` flags before the swap)."""
+    model = _net().eval()
+    lowprec.convert(model, "fp32")
+    assert [n for n, m in model.named_modules() if m.training] == []
+    lowprec.unconvert(model)
+    assert [n for n, m in model.named_modules() if m.training] == []
+    model = _net().train()
+    lowprec.convert(model, "fp32")
+    assert all(m.training for m in model.modules())
+
+
 # ------------------------------------------------------------------------------------------------ fp32 == PyTorch
 class MLP(nn.Module):
     def __init__(self, k: int, h: int, n: int) -> None:
@@ -297,14 +311,26 @@ def test_fp32_recipe_matches_nn_linear_bitwise(batch: tuple[int, ...], k: int, h
         assert_bitwise_equal(pc.grad, pp.grad, context=f"grad {name}")
 
 
-@pytest.mark.parametrize(("batch", "k", "h", "n"), FP32_SHAPES, ids=FP32_IDS)
-def test_fp32_recipe_matches_matmul_plus_bias_bitwise(batch: tuple[int, ...], k: int, h: int, n: int) -> None:
-    """With the fp32 recipe each converted linear computes ``x @ W.t() + b`` (the GEMM, then the bias added in
-    float32, as the ``_linear`` docstring says), forward and backward, bit for bit.
+_F32_OUT = Gemm(output_format="float32")
+_GEMM_PATH = LinearRecipe(forward=_F32_OUT, grad_input=_F32_OUT, grad_weight=_F32_OUT)
 
-    Oracle: the expression ``(x2d @ W.t() + b)`` written out in plain PyTorch, differentiated by autograd.
+
+@pytest.mark.parametrize(("batch", "k", "h", "n"), FP32_SHAPES, ids=FP32_IDS)
+def test_emulated_gemm_path_is_matmul_then_bias_bitwise(batch: tuple[int, ...], k: int, h: int, n: int) -> None:
+    """Through the emulated-GEMM path (here a recipe whose only change is rounding each GEMM output to float32, a
+    no-op on values), a converted linear computes ``x @ W.t()`` and then adds the bias in float32, as the
+    ``_linear`` docstring says (torchao's convention), forward and backward, bit for bit.  (The fp32 recipe takes
+    the F.linear path instead, see the test above; at the "wide" shapes the two differ in the last bit.)
+
+    Oracle: the expression ``x2d @ W.t() + b`` written out in plain PyTorch, differentiated by autograd.
     """
-    plain, conv, x, gy = _fp32_pair(batch, k, h, n)
+    torch.manual_seed(0)
+    plain = MLP(k, h, n)
+    conv = copy.deepcopy(plain)
+    lowprec.convert(conv, _fp32_with(linear=_GEMM_PATH))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*batch, k, generator=g)
+    gy = torch.randn(*batch, n, generator=g)
 
     def ref_linear(t: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
         t2 = t.reshape(-1, t.shape[-1])
@@ -428,7 +454,15 @@ def test_stochastic_training_is_deterministic() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ torch.compile
+# torch 2.13's dynamo instantiates torch.autograd.Function() itself while tracing any custom autograd.Function
+# (torch/_dynamo/side_effects.py), which warns; that warning is PyTorch's, not lowprec's.
+_DYNAMO_FUNCTION_WARNING = (
+    "ignore:<class 'torch.autograd.function.Function'> should not be instantiated:DeprecationWarning"
+)
+
+
 @pytest.mark.slow
+@pytest.mark.filterwarnings(_DYNAMO_FUNCTION_WARNING)
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "mxfp8"])
 def test_compiled_model_matches_eager(recipe: str) -> None:
     """torch.compile(model) (inductor, default options) gives bit-identical outputs, input gradients and weight

@@ -92,6 +92,16 @@ def test_hash_stable(name: str) -> None:
     assert Recipe.from_toml(r.to_toml()).hash() == h
 
 
+@pytest.mark.parametrize("text", ["naïve-run", "run 😀", 'quote" and \\ backslash', "tab\tand\nnewline"])
+def test_toml_round_trip_of_arbitrary_strings(text: str) -> None:
+    """Strings (recipe name, keep patterns, override patterns) survive TOML and JSON whatever characters they hold,
+    including characters outside the Basic Multilingual Plane (oracle: string equality; TOML documents are UTF-8
+    and its escapes must be Unicode scalar values, so a JSON surrogate-pair escape is not valid TOML)."""
+    r = Recipe(name=text, keep_high_precision=(text, "*head"), overrides=((text, LinearRecipe()),))
+    assert Recipe.from_json(r.to_json()) == r
+    assert Recipe.from_toml(r.to_toml()) == r
+
+
 def test_hashes_differ_between_recipes() -> None:
     """Different recipes have different hashes: all built-ins, and variants differing in one deep field each
     (oracle: the recipes are unequal as dataclasses, so they describe different numerics)."""
@@ -274,7 +284,8 @@ def test_hand_written_toml_minimal_uses_defaults() -> None:
          ["recipe.linear.forward.a.scaling", "'histroy_len'", "'history_len'"]),
         ({"linear": {"forward": {"a": {"spec": {"elem": "float8_e4m3fn", "blok": 32}}}}},
          ["recipe.linear.forward.a.spec", "'blok'"]),
-        ({"weights": {"update": "stochastic", "format": "bfloat16", "rounding": "x"}}, ["recipe.weights", "'rounding'"]),
+        ({"weights": {"update": "stochastic", "format": "bfloat16", "rounding": "x"}},
+         ["recipe.weights", "'rounding'"]),
         ({"overrides": [{"pattern": "a.*", "linear": {"forward": {"b": {"spek": 1}}}}]},
          ["recipe.overrides[0].linear.forward.b", "'spek'"]),
         ({"overrides": [{"pattern": "a.*", "linaer": {}}]}, ["recipe.overrides[0]", "'pattern'", "'linear'"]),

@@ -2,6 +2,7 @@
 
 from . import formats as formats
 from . import nn as nn
+from . import optim as optim
 from . import quant as quant
 from . import recipes as recipes
 from ._version import __version__ as __version__
@@ -25,6 +26,7 @@ __all__ = [
     "fake_quantize",
     "formats",
     "nn",
+    "optim",
     "quant",
     "quantize",
     "quantize_scaled",

@@ -125,6 +125,15 @@ class _LinearFn(torch.autograd.Function):
         return gx.reshape(ctx.x_shape).to(ctx.x_dtype), gw.to(ctx.w_dtype), gb, None
 
 
+def _copy_module_state(src: nn.Module, dst: nn.Module) -> None:
+    """Carry the training flag and the hooks registered on ``src`` over to its replacement."""
+    dst.training = src.training
+    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+        if hasattr(src, attr):
+            getattr(dst, attr).update(getattr(src, attr))
+
+
 class EmulatedLinear(nn.Linear):
     """``nn.Linear`` with recipe-emulated GEMMs.  Build with ``from_linear`` (or ``lowprec.convert``)."""
 
@@ -163,6 +172,7 @@ class EmulatedLinear(nn.Linear):
         new.in_features, new.out_features = lin.in_features, lin.out_features
         new.weight = lin.weight
         new.bias = lin.bias
+        _copy_module_state(lin, new)
         new._setup(recipe, seed, name)
         return new
 
@@ -172,6 +182,7 @@ class EmulatedLinear(nn.Linear):
         nn.Module.__init__(lin)
         lin.in_features, lin.out_features = self.in_features, self.out_features
         lin.weight, lin.bias = self.weight, self.bias
+        _copy_module_state(self, lin)
         return lin
 
     def _delayed_amax(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -124,14 +124,15 @@ def _toml_value(v: Any) -> str:
             return "inf" if v > 0 else "-inf"
         return repr(v)
     if isinstance(v, str):
-        return json.dumps(v)
+        return json.dumps(v, ensure_ascii=False)  # TOML rejects JSON's surrogate-pair escapes
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise ValueError(f"cannot write {type(v).__name__} to TOML")
 
 
 def _toml_key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else json.dumps(k)
+    return k if k.replace("_", "").replace("-", "").isascii() and k.replace("_", "").replace("-", "").isalnum() \
+        else json.dumps(k, ensure_ascii=False)
 
 
 def dict_to_toml(data: dict[str, Any], prefix: str = "") -> str:

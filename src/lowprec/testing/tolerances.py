@@ -16,7 +16,7 @@ class Tolerance:
     value: float
     """The bound (meaning given by ``unit``)."""
     unit: str
-    """"sigma" (standard deviations of a stated null distribution) or "dB" (SQNR floor)."""
+    """"sigma" (standard deviations of a stated null distribution), "dB" (SQNR floor) or "ratio"."""
     source: str
     """Why this number: its false-failure rate or the reference it is taken from."""
 
@@ -26,6 +26,23 @@ TOLERANCES: dict[str, Tolerance] = {
         value=6.0,
         unit="sigma",
         source="two-sided normal bound on a binomial/mean estimate: false-failure rate 2e-9 per check",
+    ),
+    "bf16_pure_stall_ratio": Tolerance(
+        value=2.0,
+        unit="ratio",
+        source="final loss of bf16 weights with nearest rounding over fp32's on the small-update regression test; "
+        "measured 3.8-7.6x over 3 seeds, so 2x is the stall the test demonstrates",
+    ),
+    "sr_kahan_track_ratio": Tolerance(
+        value=1.02,
+        unit="ratio",
+        source="final loss of bf16-sr / bf16-kahan over fp32's on the same test: about one bf16 step per weight "
+        "costs ~0.3% of the loss floor; measured 0.06-0.4%, 2% leaves 5x headroom",
+    ),
+    "fp32_converged_rel": Tolerance(
+        value=1e-3,
+        unit="ratio",
+        source="fp32 baseline within 0.1% of the float64 least-squares optimum (measured 2e-6): a sanity check",
     ),
     "sqnr_fp8_cast": Tolerance(value=25.0, unit="dB", source="torchao float8 cast test floor"),
     "sqnr_mx_fp8": Tolerance(value=18.0, unit="dB", source="torchao MX cast test floor (e4m3)"),
