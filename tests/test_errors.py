@@ -21,13 +21,6 @@ MX_SR_SPEC = QuantSpec(
 )
 
 
-@pytest.fixture(autouse=True)
-def _eager_backend():
-    lowprec.quant.set_backend("eager")
-    try:
-        yield
-    finally:
-        lowprec.quant.set_backend("auto")
 
 
 def _raises(fn, *words: str) -> str:

@@ -26,13 +26,6 @@ from lowprec.recipes import Gemm, LinearRecipe, Recipe
 from lowprec.testing import TOLERANCES, assert_bitwise_equal, sqnr_db
 
 
-@pytest.fixture(autouse=True)
-def _eager_backend():
-    lowprec.quant.set_backend("eager")
-    try:
-        yield
-    finally:
-        lowprec.quant.set_backend("auto")
 
 
 # ------------------------------------------------------------------------------------------------ models

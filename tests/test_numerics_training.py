@@ -36,13 +36,6 @@ from lowprec.recipes import (
 from lowprec.testing import TOLERANCES, assert_bitwise_equal
 
 
-@pytest.fixture(autouse=True)
-def _eager_backend():
-    lowprec.quant.set_backend("eager")
-    try:
-        yield
-    finally:
-        lowprec.quant.set_backend("auto")
 
 
 # ================================================================================================ delayed scaling

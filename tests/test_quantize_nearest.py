@@ -37,10 +37,6 @@ SMALL = [n for n in ML if n not in ("bfloat16", "float16")]  # <= 8 bits: grid f
 INTS = ["int8", "int4", "int8_mx"]
 
 
-@pytest.fixture(autouse=True)
-def _eager():
-    with lowprec.quant.backend("eager"):
-        yield
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -16,11 +16,6 @@ from lowprec.testing import SQNR_FLOORS, assert_bitwise_equal, sqnr_db
 from lowprec.testing._models import TinyBlock
 
 
-@pytest.fixture(autouse=True)
-def _eager():
-    lowprec.quant.set_backend("eager")
-    yield
-    lowprec.quant.set_backend("auto")
 
 
 def _linear_case(recipe: str, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:

@@ -34,13 +34,6 @@ from lowprec.recipes import _named as named_module
 NAMES = lowprec.recipes.names()
 
 
-@pytest.fixture(autouse=True)
-def _eager_backend():
-    lowprec.quant.set_backend("eager")
-    try:
-        yield
-    finally:
-        lowprec.quant.set_backend("auto")
 
 
 def _raises(fn, *needles: str) -> str:  # type: ignore[no-untyped-def]

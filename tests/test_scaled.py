@@ -18,35 +18,17 @@ import pytest
 import torch
 
 import lowprec
+from lowprec.testing import assert_bitwise_equal
 from lowprec import QuantSpec
 from lowprec.formats import FormatSpec
 
 
-@pytest.fixture(autouse=True)
-def _eager_backend():
-    lowprec.quant.set_backend("eager")
-    try:
-        yield
-    finally:
-        lowprec.quant.set_backend("auto")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _int_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
-
-
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    """Bitwise equality (NaN == NaN whatever its payload), with a readable report of the first mismatches."""
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    g, w = got.reshape(-1), want.reshape(-1)
-    bad = (_int_view(g) != _int_view(w)) & ~(torch.isnan(g) & torch.isnan(w))
-    if bad.any():
-        idx = bad.nonzero().reshape(-1)[:8].tolist()
-        rows = ", ".join(f"[{i}] got {g[i].item()!r} want {w[i].item()!r}" for i in idx)
-        raise AssertionError(f"{what}: {int(bad.sum())} of {g.numel()} elements differ; first: {rows}")
-
+    """Bitwise equality (NaN == NaN), via the shipped helper with its max/mean difference and SQNR report."""
+    assert_bitwise_equal(got, want, context=what)
 
 def t32(a) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.asarray(a, dtype=np.float32)))

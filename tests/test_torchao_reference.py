@@ -19,11 +19,6 @@ from lowprec.testing import TOLERANCES, assert_bitwise_equal, sqnr_db
 torchao_float8 = pytest.importorskip("torchao.float8")
 
 
-@pytest.fixture(autouse=True)
-def _eager():
-    lowprec.quant.set_backend("eager")
-    yield
-    lowprec.quant.set_backend("auto")
 
 
 def _mlp(seed: int) -> torch.nn.Module:
