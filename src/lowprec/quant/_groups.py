@@ -64,13 +64,23 @@ def group(t: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 def ungroup(g: torch.Tensor, spec: QuantSpec, shape: torch.Size) -> torch.Tensor:
     """Inverse of ``group`` for a tensor whose original shape was ``shape``."""
+    return crop(ungroup_padded(g, spec), shape)
+
+
+def ungroup_padded(g: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The grouped view back in the original dimension order, padding included (``ungroup`` without the crop)."""
     if spec.scaling in ("none", "tensor", "axis"):
         return g
     if spec.scaling == "block":
-        k = shape[spec.axis]
-        return g.flatten(-2)[..., :k].movedim(-1, spec.axis)
-    m, k = shape[-2:]
-    return g.flatten(-2).flatten(-3, -2)[..., :m, :k]
+        return g.flatten(-2).movedim(-1, spec.axis)
+    return g.flatten(-2).flatten(-3, -2)
+
+
+def crop(t: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """``t`` cut down to ``shape`` (the leading part of every dimension): drops the padding of ``group``."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    return t[tuple(slice(0, n) for n in shape)]
 
 
 def scales_out(s: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -1,0 +1,213 @@
+"""Throughput of lowprec's quantizers against memory bandwidth and native casts, as one JSON object.
+
+    PYTHONPATH=src python benchmarks/bench_quant.py [--numel 16777216] [--repeat 10] [--eager-repeat 2] [--no-eager]
+
+Every number is GB/s of float32 *input* (``numel * 4`` bytes divided by the best of N wall-clock times), all
+measured in the same run on the same tensor:
+
+* references: ``torch.clone`` (memory bandwidth: read once, write once into newly allocated memory, as every
+  quantizer does; ``copy_into_existing`` is the same copy into a preallocated tensor, which shows how much of the
+  clone time is allocation and first-touch page faults), torch's native round trips
+  ``x.to(float8_e4m3fn).float()`` and ``x.to(bfloat16).float()``, and the ml_dtypes casts
+  ``x.numpy().astype(float8_e4m3fn / float4_e2m1fn).astype(float32)``;
+* each quantizer that training calls, compiled (``lowprec.quant.backend("compiled")``, after one warm-up call that
+  compiles it) and eager: tensorwise and rowwise e4m3 fake-quant, bf16 stochastic rounding, elementwise e4m3,
+  MXFP8, MXFP4, NVFP4 and fp8 1x128 tiles.  Scaled quantizers see a 2-D view ``[numel / cols, cols]``.
+
+Each quantizer reports ``ratio_to_clone`` and ratios to the native casts of the same element format.  The
+``targets`` section says whether the compiled kernels reach fixed fractions of ``torch.clone`` bandwidth; it only
+reports, it never fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+import lowprec
+from lowprec.quant import QuantSpec, fake_quantize, quantize
+
+# name -> (function of the 2-D input, element format for the native comparisons)
+QUANTIZERS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
+    "fp8_e4m3_tensorwise": (lambda x: fake_quantize(x, QuantSpec.named("fp8_e4m3_tensorwise")), "e4m3"),
+    "fp8_e4m3_rowwise": (lambda x: fake_quantize(x, QuantSpec.named("fp8_e4m3_rowwise")), "e4m3"),
+    "bf16_stochastic": (lambda x: quantize(x, "bfloat16", rounding="stochastic", seed=1), "bf16"),
+    "e4m3_nearest_elementwise": (lambda x: quantize(x, "float8_e4m3fn"), "e4m3"),
+    "mxfp8_e4m3": (lambda x: fake_quantize(x, QuantSpec.named("mxfp8_e4m3")), "e4m3"),
+    "mxfp4": (lambda x: fake_quantize(x, QuantSpec.named("mxfp4")), "e2m1"),
+    "nvfp4": (lambda x: fake_quantize(x, QuantSpec.named("nvfp4")), "e2m1"),
+    "fp8_e4m3_1x128": (lambda x: fake_quantize(x, QuantSpec.named("fp8_e4m3_1x128")), "e4m3"),
+}
+
+# (quantizer, minimum fraction of clone bandwidth for its compiled kernel)
+TARGETS = [("fp8_e4m3_tensorwise", 0.5), ("bf16_stochastic", 0.4), ("mxfp8_e4m3", 0.3), ("mxfp4", 0.3)]
+
+# which reference each element format is compared with: (torch native key or None, ml_dtypes key or None)
+COMPARE = {
+    "e4m3": ("torch_native_e4m3", "ml_dtypes_e4m3"),
+    "e2m1": (None, "ml_dtypes_e2m1"),
+    "bf16": ("torch_native_bf16", None),
+}
+
+
+def best_time(fn: Callable[[], Any], repeat: int) -> float:
+    """Best wall-clock seconds of ``repeat`` calls (after none: warm-up is the caller's job)."""
+    best = float("inf")
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def sig(v: float, digits: int = 4) -> float:
+    """``v`` rounded to ``digits`` significant digits (for printing)."""
+    return float(f"{v:.{digits}g}")
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return sig(nbytes / seconds / 1e9)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "ml_dtypes": ml_dtypes.__version__,
+        "lowprec": lowprec.__version__,
+        "python": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_num_threads": torch.get_num_threads(),
+    }
+
+
+def reference_gbps(x: torch.Tensor, repeat: int) -> dict[str, float]:
+    """Bandwidth of the reference operations (each warmed up once)."""
+    dst = torch.empty_like(x)
+    refs: dict[str, Callable[[], Any]] = {
+        "clone": lambda: torch.clone(x),
+        "copy_into_existing": lambda: dst.copy_(x),
+        "torch_native_e4m3": lambda: x.to(torch.float8_e4m3fn).float(),
+        "torch_native_bf16": lambda: x.to(torch.bfloat16).float(),
+        "ml_dtypes_e4m3": lambda: x.numpy().astype(ml_dtypes.float8_e4m3fn).astype(np.float32),
+        "ml_dtypes_e2m1": lambda: x.numpy().astype(ml_dtypes.float4_e2m1fn).astype(np.float32),
+    }
+    nbytes = x.numel() * 4
+    out = {}
+    for name, fn in refs.items():
+        fn()
+        out[name] = gbps(nbytes, best_time(fn, repeat))
+    return out
+
+
+def measure_quantizer(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, backend: str, repeat: int
+) -> dict[str, float]:
+    """GB/s of one quantizer under one backend; the first (warm-up) call compiles in "compiled" mode."""
+    with lowprec.quant.backend(backend):  # type: ignore[arg-type]
+        t0 = time.perf_counter()
+        fn(x)
+        warmup = time.perf_counter() - t0
+        t = best_time(lambda: fn(x), repeat)
+    res = {"gbps": gbps(x.numel() * 4, t), "best_s": sig(t)}
+    if backend == "compiled":
+        res["warmup_s"] = sig(warmup, 3)
+    return res
+
+
+def add_ratios(res: dict[str, float], refs: dict[str, float], fmt: str) -> None:
+    res["ratio_to_clone"] = sig(res["gbps"] / refs["clone"], 3)
+    native, ml = COMPARE[fmt]
+    res["ratio_to_torch_native_e4m3"] = sig(res["gbps"] / refs["torch_native_e4m3"], 3)
+    if native and native != "torch_native_e4m3":
+        res[f"ratio_to_{native}"] = sig(res["gbps"] / refs[native], 3)
+    if ml:
+        res["ratio_to_ml_dtypes"] = sig(res["gbps"] / refs[ml], 3)
+        res["ml_dtypes_reference"] = ml
+
+
+def evaluate_targets(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, need in TARGETS:
+        if name not in results:
+            continue
+        got = results[name]["compiled"]["ratio_to_clone"]
+        out[name] = {"backend": "compiled", "min_ratio_to_clone": need, "ratio_to_clone": got, "met": got >= need}
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--numel", type=int, default=16 * 1024 * 1024, help="elements of the float32 input")
+    p.add_argument("--cols", type=int, default=4096, help="last dimension of the 2-D view (must divide numel)")
+    p.add_argument("--repeat", type=int, default=10, help="timed calls per compiled kernel / reference (best)")
+    p.add_argument("--eager-repeat", type=int, default=2, help="timed calls per eager kernel (best)")
+    p.add_argument("--no-eager", action="store_true", help="skip the (slow) eager measurements")
+    p.add_argument("--only", nargs="*", choices=list(QUANTIZERS), help="measure only these quantizers")
+    args = p.parse_args(argv)
+    if args.numel <= 0 or args.cols <= 0 or args.numel % args.cols:
+        p.error(f"--cols {args.cols} must divide --numel {args.numel}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).view(-1, args.cols)
+    refs = reference_gbps(x, args.repeat)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for name, (fn, _) in QUANTIZERS.items():
+        if args.only and name not in args.only:
+            continue
+        results[name] = {"compiled": measure_quantizer(fn, x, "compiled", args.repeat)}
+        if not args.no_eager:
+            results[name]["eager"] = measure_quantizer(fn, x, "eager", args.eager_repeat)
+    # clone again after the quantizers (the machine may have been busier at the start); the best counts
+    refs["clone"] = max(refs["clone"], gbps(x.numel() * 4, best_time(lambda: torch.clone(x), args.repeat)))
+    for name, by_backend in results.items():
+        for res in by_backend.values():
+            add_ratios(res, refs, QUANTIZERS[name][1])
+    report = {
+        "machine": machine_info(),
+        "config": {
+            "numel": args.numel,
+            "shape": list(x.shape),
+            "bytes_per_call": args.numel * 4,
+            "repeat": args.repeat,
+            "eager_repeat": None if args.no_eager else args.eager_repeat,
+            "timing": "best of N wall-clock; GB/s of float32 input; clone: best of runs before and after",
+        },
+        "references_gbps": refs,
+        "quantizers": results,
+        "targets": evaluate_targets(results),
+    }
+    json.dump(report, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
