@@ -642,3 +642,27 @@ def test_optimizer_state_dict_round_trip() -> None:
         step(w_c, opt_c, i)
     assert_bitwise_equal(w_c.detach(), w_a.detach(), context="resumed run")
     assert opt_c.steps == 4
+
+
+def test_conflicting_delayed_algorithms_for_one_role_are_rejected() -> None:
+    """Oracle: the documented rule that amax history is shared per tensor role (input appears in the forward and
+    grad_weight GEMMs), so one role cannot use "max" in one GEMM and "most_recent" in another."""
+    import dataclasses
+
+    from lowprec.recipes import Scaling
+
+    r = lowprec.recipes.get("fp8-delayed")
+    fwd = dataclasses.replace(
+        r.linear.forward, a=dataclasses.replace(r.linear.forward.a, scaling=Scaling(kind="delayed",
+                                                                                      algorithm="most_recent"))
+    )
+    bad = dataclasses.replace(r, linear=dataclasses.replace(r.linear, forward=fwd))
+    with pytest.raises(ValueError, match="input uses two amax algorithms"):
+        lowprec.convert(torch.nn.Sequential(torch.nn.Linear(4, 4)), bad)
+
+
+def test_power_of_two_ceil_scales_compile_without_graph_breaks() -> None:
+    """Oracle: torch._dynamo.explain of a converted model with fp8-rowwise (E8M0 ceil scales): one graph."""
+    m = lowprec.convert(torch.nn.Sequential(torch.nn.Linear(8, 8)), "fp8-rowwise")
+    explanation = torch._dynamo.explain(m)(torch.randn(4, 8))
+    assert explanation.graph_break_count == 0, explanation.break_reasons

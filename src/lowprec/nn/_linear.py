@@ -149,11 +149,17 @@ class EmulatedLinear(nn.Linear):
         self.lowprec_name = name
         ops = _operands(recipe)
         self._delayed: dict[str, int] = {}
+        self._algorithm: dict[str, str] = {}
         for (g, o), op in ops.items():
             if op.scaling.kind == "delayed":
                 role = _ROLE[(g, o)]
                 self._delayed[role] = max(self._delayed.get(role, 0), op.scaling.history_len)
-                self._algorithm = op.scaling.algorithm
+                if self._algorithm.setdefault(role, op.scaling.algorithm) != op.scaling.algorithm:
+                    raise ValueError(
+                        f"delayed scaling of the {role} uses two amax algorithms ({self._algorithm[role]!r} and "
+                        f"{op.scaling.algorithm!r}) in different GEMMs; the history is shared per tensor role, "
+                        "so use one algorithm per role"
+                    )
         dev = self.weight.device
         for role, n in self._delayed.items():
             self.register_buffer(f"amax_history_{role}", torch.zeros(n, dtype=torch.float32, device=dev))
@@ -198,7 +204,7 @@ class EmulatedLinear(nn.Linear):
             hist: torch.Tensor = getattr(self, f"amax_history_{role}")
             with torch.no_grad():
                 current = t.abs().amax() if t.numel() else t.new_zeros(())
-                past = hist.amax() if self._algorithm == "max" else hist[0]
+                past = hist.amax() if self._algorithm[role] == "max" else hist[0]
                 out[role] = torch.where(past > 0, past, current)
                 hist.copy_(torch.cat([current.reshape(1), hist[:-1]]))
         return out

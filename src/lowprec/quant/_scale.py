@@ -26,7 +26,10 @@ def _log2_parts(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _mantissa_bits(value: float) -> int:
     """The 23 float32 mantissa bits of a positive normal Python float that float32 holds exactly."""
-    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32).item()) & 0x7FFFFF
+    import struct
+
+    # Pure Python (no tensor, no .item()): torch.compile traces this without a graph break.
+    return int(struct.unpack("<I", struct.pack("<f", value))[0]) & 0x7FFFFF
 
 
 def pow2_scale(amax: torch.Tensor, spec: QuantSpec, elem: FormatSpec, sfmt: FormatSpec) -> torch.Tensor:
