@@ -22,6 +22,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_quant.py
+	$(PY) benchmarks/bench_train.py --threads 1
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info
