@@ -1,0 +1,337 @@
+"""``RunConfig``: one training run (or one run per seed) described as data, read from TOML.
+
+A run config names a model (a zoo task or a ``package.module:function`` entry point returning a ``Task``), the
+training hyper-parameters, the numerics (a recipe name, a hardware profile, or an inline recipe table), the seeds,
+and where runs are recorded.  Fields left out take the task's defaults (``Task.defaults``) when the run starts;
+the run records the fully resolved config, so a stored run always says exactly what was trained.
+
+Example::
+
+    model = "mlp-digits"
+    recipe = "fp8-tensorwise"      # or a [recipe] table with the fields of lowprec.Recipe
+    seeds = [0, 1, 2]
+    steps = 300
+    batch_size = 64
+
+    [optimizer]
+    name = "adamw"
+    lr = 3e-3
+
+    [schedule]
+    name = "cosine"
+    warmup_steps = 20
+
+Every validation error names the field, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from .. import recipes
+from ..recipes import Recipe
+
+DEFAULT_STORE = "lowprec-runs/runs.db"
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("constant", "cosine", "linear")
+STRATEGIES = ("single",)
+FRAMEWORKS = ("torch",)
+
+
+def _check_int(value: Any, field: str, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{field} must be an integer {rng}; got {value!r}")
+
+
+def _check_float(value: Any, field: str, lo: float, hi: float | None = None, *, open_lo: bool = False) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > lo if open_lo else value >= lo) and (hi is None or value <= hi)
+    if not ok:
+        rng = ("> " if open_lo else ">= ") + repr(lo) + ("" if hi is None else f" and <= {hi!r}")
+        raise ValueError(f"{field} must be a finite number {rng}; got {value!r}")
+
+
+def _check_choice(value: Any, field: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The torch optimizer that computes each float32 update (the recipe decides how it is stored)."""
+
+    name: str | None = None
+    """"adamw" or "sgd" (with momentum); default: the task's."""
+    lr: float | None = None
+    """Peak learning rate; default: the task's."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2)."""
+    eps: float = 1e-8
+    momentum: float = 0.9
+    """SGD's momentum."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value (None or 0: no clipping).  The norm is recorded either way."""
+
+    def __post_init__(self) -> None:
+        if self.name is not None:
+            _check_choice(self.name, "optimizer.name", OPTIMIZERS)
+        if self.lr is not None:
+            _check_float(self.lr, "optimizer.lr", 0.0, open_lo=True)
+        _check_float(self.weight_decay, "optimizer.weight_decay", 0.0)
+        if not (isinstance(self.betas, tuple) and len(self.betas) == 2):
+            raise ValueError(f"optimizer.betas must be two numbers [beta1, beta2]; got {self.betas!r}")
+        for i, b in enumerate(self.betas):
+            _check_float(b, f"optimizer.betas[{i}]", 0.0, 1.0)
+        _check_float(self.eps, "optimizer.eps", 0.0, open_lo=True)
+        _check_float(self.momentum, "optimizer.momentum", 0.0, 1.0)
+        if self.grad_clip is not None:
+            _check_float(self.grad_clip, "optimizer.grad_clip", 0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """Learning rate over steps: linear warm-up from 0, then constant, cosine or linear decay to
+    ``min_lr_ratio * lr`` at the last step."""
+
+    name: str = "cosine"
+    warmup_steps: int | None = None
+    """Default: the task's."""
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_choice(self.name, "schedule.name", SCHEDULES)
+        if self.warmup_steps is not None:
+            _check_int(self.warmup_steps, "schedule.warmup_steps", 0)
+        _check_float(self.min_lr_ratio, "schedule.min_lr_ratio", 0.0, 1.0)
+
+    def lr_at(self, step: int, *, lr: float, steps: int) -> float:
+        """Learning rate for optimizer step ``step`` (0-based) of ``steps``."""
+        warm = self.warmup_steps or 0
+        if step < warm:
+            return lr * (step + 1) / warm
+        if self.name == "constant" or steps <= warm:
+            return lr
+        t = (step - warm) / max(1, steps - warm - 1)
+        lo = lr * self.min_lr_ratio
+        if self.name == "linear":
+            return lr - (lr - lo) * t
+        return lo + 0.5 * (lr - lo) * (1.0 + math.cos(math.pi * t))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Parallel layout.  Only single-process runs exist so far."""
+
+    strategy: str = "single"
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check_choice(self.strategy, "parallel.strategy", STRATEGIES)
+        _check_int(self.world_size, "parallel.world_size", 1, 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """When to save a checkpoint (atomically, with a checksum) for ``lowprec run --resume``."""
+
+    interval: int = 0
+    """Save every this many steps (0: only at the end of the run)."""
+    keep: int = 2
+    """Keep the newest this many checkpoints of a run."""
+
+    def __post_init__(self) -> None:
+        _check_int(self.interval, "checkpoint.interval", 0)
+        _check_int(self.keep, "checkpoint.keep", 1)
+
+
+_TABLES: dict[str, type] = {
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A training run as data.  ``None`` fields take the task's defaults when the run starts (``resolve``)."""
+
+    model: str
+    """A zoo task name (``lowprec.runs.zoo.names()``) or ``"package.module:function"`` returning a ``Task``."""
+    model_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword options for the task builder (e.g. ``hidden = 256``)."""
+    name: str | None = None
+    """Label of the run(s); default ``"<model> <recipe>"``."""
+    group: str | None = None
+    """Group label in the run store (a comparison selects runs by group); default: the name."""
+    framework: str = "torch"
+    seeds: tuple[int, ...] = (0,)
+    """One run per seed.  ``seed = 3`` in TOML is ``seeds = [3]``."""
+    steps: int | None = None
+    batch_size: int | None = None
+    eval_interval: int | None = None
+    recipe: Recipe = dataclasses.field(default_factory=lambda: recipes.get("fp32"))
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    store: str = DEFAULT_STORE
+    """Path of the SQLite run store (checkpoints go next to it, under ``checkpoints/<run id>/``)."""
+    threads: int | None = None
+    """torch intra-op threads (None: leave torch's default)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a zoo task name or 'package.module:function'; got {self.model!r}")
+        if not isinstance(self.model_options, dict):
+            raise ValueError(f"model_options must be a table; got {self.model_options!r}")
+        for field in ("name", "group"):
+            v = getattr(self, field)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ValueError(f"{field} must be a non-empty string; got {v!r}")
+        _check_choice(self.framework, "framework", FRAMEWORKS)
+        if not isinstance(self.seeds, tuple) or not self.seeds:
+            raise ValueError(f"seeds must be a non-empty list of integers; got {self.seeds!r}")
+        for i, s in enumerate(self.seeds):
+            _check_int(s, f"seeds[{i}]", 0, 2**31 - 1)
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct; got {list(self.seeds)}")
+        for field in ("steps", "batch_size", "eval_interval"):
+            if getattr(self, field) is not None:
+                _check_int(getattr(self, field), field, 1)
+        if not isinstance(self.recipe, Recipe):
+            raise ValueError(f"recipe must be a lowprec.Recipe; got {type(self.recipe).__name__}")
+        if not isinstance(self.store, str) or not self.store:
+            raise ValueError(f"store must be a path; got {self.store!r}")
+        if self.threads is not None:
+            _check_int(self.threads, "threads", 1)
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.model} {self.recipe.name}"
+
+    def for_seed(self, seed: int) -> RunConfig:
+        """The config of the single run with ``seed``."""
+        return dataclasses.replace(self, seeds=(seed,))
+
+    def resolve(self, defaults: dict[str, Any]) -> RunConfig:
+        """Fill every ``None`` field from a task's ``defaults`` (keys steps, batch_size, eval_interval, lr,
+        optimizer, warmup_steps)."""
+        def pick(value: Any, key: str, fallback: Any) -> Any:
+            return value if value is not None else defaults.get(key, fallback)
+
+        steps = pick(self.steps, "steps", 100)
+        return dataclasses.replace(
+            self,
+            steps=steps,
+            batch_size=pick(self.batch_size, "batch_size", 32),
+            eval_interval=pick(self.eval_interval, "eval_interval", max(1, steps // 10)),
+            optimizer=dataclasses.replace(
+                self.optimizer,
+                name=pick(self.optimizer.name, "optimizer", "adamw"),
+                lr=pick(self.optimizer.lr, "lr", 1e-3),
+            ),
+            schedule=dataclasses.replace(
+                self.schedule, warmup_steps=pick(self.schedule.warmup_steps, "warmup_steps", 0)
+            ),
+        )
+
+    # ------------------------------------------------------------------------------------------- serialising
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (``recipe`` as a full recipe table, ``seeds`` as a list)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "recipe":
+                v = v.to_dict()
+            elif dataclasses.is_dataclass(v):
+                v = {k: list(x) if isinstance(x, tuple) else x for k, x in dataclasses.asdict(v).items()}
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str = "config") -> RunConfig:
+        """Strict conversion from plain data; errors start with ``where`` and name the field."""
+        try:
+            return _from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    @classmethod
+    def from_toml(cls, text: str, *, where: str = "config") -> RunConfig:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{where}: not valid TOML: {e}") from None
+        return cls.from_dict(data, where=where)
+
+
+def load(path: str | Path) -> RunConfig:
+    """Read and validate a run config file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(p)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read config file {str(p)!r}: {e}") from None
+    return RunConfig.from_toml(text, where=str(p))
+
+
+def _table(cls: type, value: Any, field: str) -> Any:
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} must be a table; got {value!r}")
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(value) - allowed)
+    if extra:
+        raise ValueError(f"{field}: unknown key(s) {extra}; allowed: {sorted(allowed)}")
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+    return cls(**kw)
+
+
+def _recipe(value: Any) -> Recipe:
+    if isinstance(value, Recipe):
+        return value
+    if isinstance(value, str):
+        return recipes.get(value)
+    if isinstance(value, dict):
+        return Recipe.from_dict(value)
+    raise ValueError(f"recipe must be a recipe name ({', '.join(recipes.names())}) or a table; got {value!r}")
+
+
+def _from_dict(data: dict[str, Any]) -> RunConfig:
+    if not isinstance(data, dict):
+        raise ValueError(f"must be a table; got {type(data).__name__}")
+    data = dict(data)
+    allowed = {f.name for f in dataclasses.fields(RunConfig)} | {"seed"}
+    extra = sorted(set(data) - allowed)
+    if extra:
+        raise ValueError(f"unknown key(s) {extra}; allowed: {sorted(allowed)}")
+    if "model" not in data:
+        raise ValueError("model is required: a zoo task name or 'package.module:function'")
+    if "seed" in data:
+        if "seeds" in data:
+            raise ValueError("give either seed or seeds, not both")
+        data["seeds"] = [data.pop("seed")]
+    if "seeds" in data:
+        if not isinstance(data["seeds"], list):
+            raise ValueError(f"seeds must be a list of integers; got {data['seeds']!r}")
+        data["seeds"] = tuple(data["seeds"])
+    if "recipe" in data:
+        data["recipe"] = _recipe(data["recipe"])
+    for key, cls in _TABLES.items():
+        if key in data:
+            data[key] = _table(cls, data[key], key)
+    return RunConfig(**data)
