@@ -1,0 +1,146 @@
+"""Export one stored run to CSV, JSON or TensorBoard event files.
+
+CSV is **wide**: one row per step, a ``step`` column first and then one column per scalar key (keys sorted), a cell
+left empty where that key was not logged at that step (eval metrics appear only every ``eval_interval`` steps).
+Wide form loads straight into a spreadsheet or ``pandas.read_csv`` as one column per curve.  Values are written as
+Python's shortest round-trip repr (``float(cell)`` gives back the stored float64 exactly); NaN and infinities as
+``nan``, ``inf``, ``-inf``, which both ``float()`` and pandas read back.
+
+JSON holds the ``RunRecord`` fields, then ``scalars`` (key -> ``{"steps": [...], "values": [...]}``) and
+``events`` (``[{"step", "kind", "payload"}]``), under ``"format": "lowprec-run"`` and a ``format_version``.  It is
+strict JSON (RFC 8259 has no NaN), so non-finite floats anywhere in it are written as the strings ``"nan"``,
+``"inf"``, ``"-inf"``; ``float()`` reads them back.
+
+Files are written atomically (temporary file in the same directory, fsync, ``os.replace``): a reader never sees a
+half-written export, and a failed export leaves the previous file untouched.
+
+TensorBoard export writes real event files with ``torch.utils.tensorboard.SummaryWriter`` (one ``add_scalar`` per
+stored value, stored as float32 by the event format), plus the config, manifest and events as text summaries.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+from ._atomic import atomic_write_bytes, atomic_write_text
+from ._store import RunRecord, RunStore
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "export_run", "export_tensorboard", "run_to_dict"]
+
+FORMATS = ("csv", "json")
+FORMAT_VERSION = 1
+
+
+def _finite_or_str(x: Any) -> Any:
+    """Replace non-finite floats (at any depth) by "nan" / "inf" / "-inf" so the result is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _finite_or_str(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite_or_str(v) for v in x]
+    return x
+
+
+def run_to_dict(store: RunStore, run_id: str) -> dict[str, Any]:
+    """The JSON export of one run as a dict (strict-JSON-able: non-finite floats are strings)."""
+    rec: RunRecord = store.get_run(run_id)
+    scalars = {key: {"steps": [int(s) for s in steps], "values": [float(v) for v in values]}
+               for key, (steps, values) in sorted(store.scalars(rec.run_id).items())}
+    out = {"format": "lowprec-run", "format_version": FORMAT_VERSION, "run_id": rec.run_id, "name": rec.name,
+           "group": rec.group, "status": rec.status, "created_at": rec.created_at, "finished_at": rec.finished_at,
+           "config": rec.config, "manifest": rec.manifest, "error": rec.error, "scalars": scalars,
+           "events": store.events(rec.run_id)}
+    return dict(_finite_or_str(out))
+
+
+def _wide_csv(store: RunStore, run_id: str) -> str:
+    scalars = store.scalars(run_id)
+    keys = sorted(scalars)
+    table: dict[int, dict[str, float]] = {}
+    for key in keys:
+        steps, values = scalars[key]
+        for s, v in zip(steps.tolist(), values.tolist(), strict=True):
+            table.setdefault(s, {})[key] = v
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["step", *keys])
+    for step in sorted(table):
+        row = table[step]
+        writer.writerow([step, *(repr(row[k]) if k in row else "" for k in keys)])
+    return buf.getvalue()
+
+
+def export_run(store: RunStore, run_id: str, *, fmt: Literal["csv", "json"],
+               out: str | os.PathLike[str] | TextIO) -> Path | None:
+    """Write run ``run_id`` (id or unique prefix) as ``fmt`` to ``out``: a path (written atomically; returned) or an
+    open text stream (written, not closed; returns None).  See the module docstring for both layouts."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "csv":
+        text = _wide_csv(store, store.get_run(run_id).run_id)
+    else:
+        text = json.dumps(run_to_dict(store, run_id), allow_nan=False) + "\n"  # compact: one line
+    if hasattr(out, "write"):
+        out.write(text)  # type: ignore[union-attr]
+        return None
+    if not isinstance(out, str | os.PathLike):
+        raise ValueError(f"out must be a file path or a text stream, got {type(out).__name__}")
+    return atomic_write_text(out, text)
+
+
+def _summary_writer() -> type:
+    try:
+        with warnings.catch_warnings():  # third-party import: keep its warnings out of the caller's filters
+            warnings.simplefilter("ignore")
+            from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ValueError("TensorBoard export needs the tensorboard package: pip install tensorboard "
+                         f"(or pip install 'lowprec[tensorboard]'); import failed with: {e}") from e
+    return SummaryWriter  # type: ignore[no-any-return]
+
+
+def export_tensorboard(store: RunStore, run_id: str, logdir: str | os.PathLike[str], *,
+                       overwrite: bool = False) -> Path:
+    """Write run ``run_id`` as TensorBoard event files under ``logdir/<run_id>/``; returns the event file's path.
+
+    Every stored scalar becomes ``add_scalar(key, value, step)`` (TensorBoard keeps float32), all stamped with the
+    run's creation time (the store keeps no per-value wall time, so re-exports are reproducible).  The config,
+    manifest and events go in as JSON text summaries.  A directory that already holds event files is refused
+    unless ``overwrite`` (which deletes those files first): two exports of one run would otherwise be shown as
+    duplicated curves.  Point TensorBoard at ``logdir`` to see several exported runs side by side.
+    """
+    SummaryWriter = _summary_writer()
+    rec = store.get_run(run_id)
+    run_dir = Path(logdir) / rec.run_id
+    old = sorted(run_dir.glob("events.out.tfevents.*")) if run_dir.is_dir() else []
+    if old and not overwrite:
+        raise ValueError(f"{run_dir} already holds TensorBoard event files ({old[0].name}, ...); pass "
+                         "overwrite=True to replace them or choose another logdir")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for f in old:
+            f.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write TensorBoard files in {run_dir}: {e.strerror or e}") from e
+    writer = SummaryWriter(log_dir=str(run_dir))
+    try:
+        t = rec.created_at
+        for key, (steps, values) in sorted(store.scalars(rec.run_id).items()):
+            for s, v in zip(steps.tolist(), values.tolist(), strict=True):
+                writer.add_scalar(key, v, global_step=s, walltime=t)
+        for tag, obj in (("config", rec.config), ("manifest", rec.manifest),
+                         ("events", store.events(rec.run_id))):
+            text = json.dumps(_finite_or_str(obj), indent=2, sort_keys=True)
+            writer.add_text(tag, "    " + text.replace("\n", "\n    "), global_step=0, walltime=t)  # markdown code
+    finally:
+        writer.close()
+    (event_file,) = run_dir.glob("events.out.tfevents.*")  # the old ones were deleted above
+    return event_file

@@ -1,0 +1,173 @@
+"""Run export: CSV and JSON parsed back with the standard library's csv/json (strict) and compared with the store;
+TensorBoard event files read back with tensorboard's own EventAccumulator (an independent reader of the format)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lowprec.runs import _atomic
+from lowprec.runs._export import atomic_write_bytes, atomic_write_text, export_run, export_tensorboard
+from lowprec.runs._store import RunStore
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with RunStore(tmp_path / "runs.db") as s:
+        yield s
+
+
+@pytest.fixture
+def run(store: RunStore) -> str:
+    """20 training steps, eval every 5 steps, one NaN loss, one +inf grad norm, two events."""
+    rid = store.create_run(name="fp8 seed 1", config={"lr": 0.1, "steps": 20}, manifest={"metrics": {"loss": "min"}},
+                           group="demo")
+    for s in range(1, 21):
+        store.log_scalars(rid, s, {"train/loss": 2.0 / s + 1e-9 * s, "train/lr": 0.1,
+                                   "train/grad_norm": math.inf if s == 13 else 1.0 / 3.0 * s})
+        if s % 5 == 0:
+            store.log_scalars(rid, s, {"eval/loss": 1.0 / s, "eval/accuracy": 0.5 + s / 100})
+    store.log_scalars(rid, 7, {"train/loss": math.nan})
+    store.add_event(rid, step=7, kind="nonfinite", payload={"tensor": "fc1.weight.grad", "value": math.nan})
+    store.add_event(rid, step=13, kind="overflow", payload={"amax": math.inf})
+    store.finish_run(rid, status="completed")
+    return rid
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.all((a == b) | (np.isnan(a) & np.isnan(b))))
+
+
+def test_csv_wide_round_trips_exactly(store: RunStore, run: str, tmp_path: Path) -> None:
+    out = export_run(store, run[:6], fmt="csv", out=tmp_path / "sub" / "run.csv")
+    assert out == tmp_path / "sub" / "run.csv"
+    with out.open(newline="") as f:
+        rows = list(csv.reader(f))
+    header, body = rows[0], rows[1:]
+    assert header == ["step", "eval/accuracy", "eval/loss", "train/grad_norm", "train/loss", "train/lr"]
+    assert [int(r[0]) for r in body] == list(range(1, 21))
+    for j, key in enumerate(header[1:], start=1):
+        cells = [(int(r[0]), r[j]) for r in body]
+        steps = np.array([s for s, c in cells if c != ""])
+        values = np.array([float(c) for _, c in cells if c != ""])  # repr -> float is exact for float64
+        want_steps, want_values = store.scalars(run)[key]
+        assert np.array_equal(steps, want_steps) and _same(values, want_values), key
+    assert body[3][header.index("eval/loss")] == ""  # step 4: no eval, empty cell
+    assert body[6][header.index("train/loss")] == "nan" and body[12][header.index("train/grad_norm")] == "inf"
+
+
+def test_json_is_strict_and_complete(store: RunStore, run: str, tmp_path: Path) -> None:
+    out = export_run(store, run, fmt="json", out=tmp_path / "run.json")
+    assert isinstance(out, Path)
+
+    def reject(token: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {token}")
+
+    doc = json.loads(out.read_text(), parse_constant=reject)
+    rec = store.get_run(run)
+    for field in ("run_id", "name", "group", "status", "created_at", "finished_at", "config", "manifest", "error"):
+        assert doc[field] == getattr(rec, field), field
+    assert (doc["format"], doc["format_version"]) == ("lowprec-run", 1)
+    sc = store.scalars(run)
+    assert sorted(doc["scalars"]) == sorted(sc)
+    for key, (steps, values) in sc.items():
+        assert doc["scalars"][key]["steps"] == steps.tolist()
+        assert _same(np.array([float(v) for v in doc["scalars"][key]["values"]]), values), key
+    assert doc["scalars"]["train/loss"]["values"][6] == "nan"
+    assert doc["events"] == [
+        {"step": 7, "kind": "nonfinite", "payload": {"tensor": "fc1.weight.grad", "value": "nan"}},
+        {"step": 13, "kind": "overflow", "payload": {"amax": "inf"}},
+    ]
+
+
+def test_export_to_text_stream(store: RunStore, run: str) -> None:
+    buf = io.StringIO()
+    assert export_run(store, run, fmt="json", out=buf) is None
+    assert json.loads(buf.getvalue())["run_id"] == run
+    buf = io.StringIO()
+    export_run(store, run, fmt="csv", out=buf)
+    assert buf.getvalue().startswith("step,eval/accuracy,")
+
+
+def test_export_errors(store: RunStore, run: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="fmt must be one of csv, json, got 'xml'"):
+        export_run(store, run, fmt="xml", out=tmp_path / "x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out must be a file path or a text stream, got int"):
+        export_run(store, run, fmt="csv", out=3)  # type: ignore[arg-type]
+    target = tmp_path / "keep.csv"
+    target.write_text("previous\n")
+    with pytest.raises(ValueError, match="no run with id 'ffffff'"):
+        export_run(store, "ffffff", fmt="csv", out=target)
+    assert target.read_text() == "previous\n"
+
+
+def test_atomic_write_replaces_or_leaves_untouched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Oracle: the directory listing and file bytes before/after; a failing rename must leave the old file."""
+    target = tmp_path / "report.html"
+    assert atomic_write_text(target, "v1 \u00e9") == target
+    assert target.read_bytes() == "v1 \u00e9".encode()
+    atomic_write_bytes(target, b"v2")
+    assert target.read_bytes() == b"v2"
+
+    def broken_replace(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_atomic.os, "replace", broken_replace)
+    with pytest.raises(ValueError, match="cannot write .*report.html.*No space left on device"):
+        atomic_write_bytes(target, b"v3")
+    assert target.read_bytes() == b"v2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]  # no temporary file left behind
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="cannot write"):
+        atomic_write_bytes(tmp_path / "report.html" / "x", b"")  # below a regular file
+
+
+def _accumulate(directory: Path):  # type: ignore[no-untyped-def]
+    with warnings.catch_warnings():  # third-party import; see the note in _export._summary_writer
+        warnings.simplefilter("ignore")
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(directory), size_guidance={"scalars": 0, "tensors": 0})  # 0: keep everything
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_event_file_read_back(store: RunStore, run: str, tmp_path: Path) -> None:
+    event_file = export_tensorboard(store, run, tmp_path / "tb")
+    assert event_file.parent == tmp_path / "tb" / run and event_file.name.startswith("events.out.tfevents.")
+    acc = _accumulate(event_file.parent)
+    sc = store.scalars(run)
+    assert sorted(acc.Tags()["scalars"]) == sorted(sc)
+    for key, (steps, values) in sc.items():
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == steps.tolist()
+        # the event format stores float32: compare with the stored float64 values rounded to float32
+        assert _same(np.array([e.value for e in events], dtype=np.float32), values.astype(np.float32)), key
+    assert {"config/text_summary", "manifest/text_summary", "events/text_summary"} <= set(acc.Tags()["tensors"])
+    config_text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert json.loads(config_text) == store.get_run(run).config
+
+
+def test_tensorboard_refuses_to_duplicate_then_overwrites(store: RunStore, run: str, tmp_path: Path) -> None:
+    first = export_tensorboard(store, run, tmp_path)
+    with pytest.raises(ValueError, match="already holds TensorBoard event files .*overwrite=True"):
+        export_tensorboard(store, run, tmp_path)
+    second = export_tensorboard(store, run, tmp_path, overwrite=True)
+    assert list(second.parent.glob("events.out.tfevents.*")) == [second]
+    assert first.parent == second.parent
+    assert [e.step for e in _accumulate(second.parent).Scalars("eval/loss")] == [5, 10, 15, 20]  # not doubled
+
+
+def test_tensorboard_missing_says_how_to_install(store: RunStore, run: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # None in sys.modules: import fails
+    with pytest.raises(ValueError, match="pip install tensorboard"):
+        export_tensorboard(store, run, tmp_path)
+    assert not (tmp_path / run).exists()  # nothing written before the check

@@ -1,0 +1,473 @@
+"""RunStore: round trips against plain Python reference models, the schema-version rules, error messages, and the
+crash/concurrency guarantees checked with real processes (two spawned writers; a writer killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import pickle
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lowprec.runs import _store
+from lowprec.runs._store import MIGRATIONS, RunStore, StoreError
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with RunStore(tmp_path / "runs.db") as s:
+        yield s
+
+
+def _new(store: RunStore, name: str = "r", **kw) -> str:
+    return store.create_run(name=name, config={"lr": 0.1, "seed": 1}, manifest={"metrics": {"loss": "min"}}, **kw)
+
+
+# -- round trips (oracle: the values and dicts the test itself wrote) ---------------------------------------------
+
+def test_create_get_list_round_trip(store: RunStore) -> None:
+    a = store.create_run(name="a", config={"x": [1, 2.5, "s", None, True]}, manifest={"m": {"n": 1}}, group="g1")
+    time.sleep(0.01)
+    b = _new(store, "b", group="g2")
+    rec = store.get_run(a)
+    assert (rec.run_id, rec.name, rec.group, rec.status, rec.error) == (a, "a", "g1", "running", None)
+    assert rec.config == {"x": [1, 2.5, "s", None, True]} and rec.manifest == {"m": {"n": 1}}
+    assert rec.finished_at is None and abs(rec.created_at - time.time()) < 60
+    assert (rec.hostname, rec.pid) == (store._hostname, os.getpid())
+    assert len(a) == 12 and int(a, 16) >= 0
+    assert [r.run_id for r in store.list_runs()] == [b, a]  # newest first
+    assert [r.run_id for r in store.list_runs(group="g1")] == [a]
+    store.finish_run(b, status="completed")
+    assert [r.run_id for r in store.list_runs(status="completed")] == [b]
+    assert [r.run_id for r in store.list_runs(status="running")] == [a]
+    store.finish_run(a, status="failed", error="loss is NaN at step 7")
+    rec = store.get_run(a)
+    assert (rec.status, rec.error) == ("failed", "loss is NaN at step 7") and rec.finished_at >= rec.created_at
+
+
+def test_scalars_match_reference_model(store: RunStore) -> None:
+    """Random logs (with replacements, NaN and inf) against a dict reference; INSERT OR REPLACE keeps the last."""
+    rid = _new(store)
+    rng = random.Random(0)
+    ref: dict[str, dict[int, float]] = {}
+    for _ in range(300):
+        step = rng.randrange(50)
+        values = {k: rng.choice([rng.uniform(-1e6, 1e6), math.nan, math.inf, -math.inf, 0.1])
+                  for k in rng.sample(["train/loss", "train/lr", "eval/loss", "eval/accuracy"], 2)}
+        if rng.random() < 0.5:
+            store.log_scalars(rid, step, values)
+        else:
+            store.log_rows(rid, ((step, k, v) for k, v in values.items()))
+        for k, v in values.items():
+            ref.setdefault(k, {})[step] = v
+    got = store.scalars(rid)
+    assert sorted(got) == sorted(ref)
+    for k, (steps, values) in got.items():
+        assert steps.dtype == np.int64 and values.dtype == np.float64
+        want_steps = sorted(ref[k])
+        assert steps.tolist() == want_steps
+        np.testing.assert_array_equal(values, np.array([ref[k][s] for s in want_steps]))  # NaN == NaN here
+
+
+def test_scalars_accept_numpy_and_torch_numbers(store: RunStore) -> None:
+    import torch
+
+    rid = _new(store)
+    store.log_scalars(rid, np.int64(3), {"a": np.float32(0.5), "b": torch.tensor(2.0), "c": 7})
+    assert {k: (s.tolist(), v.tolist()) for k, (s, v) in store.scalars(rid).items()} == {
+        "a": ([3], [0.5]), "b": ([3], [2.0]), "c": ([3], [7.0])}
+
+
+def test_events_round_trip_and_filter(store: RunStore) -> None:
+    rid = _new(store)
+    store.add_event(rid, step=5, kind="nonfinite", payload={"tensor": "fc1.weight.grad", "count": 3})
+    store.add_event(rid, step=2, kind="lr_drop", payload={"lr": 0.01})
+    store.add_event(rid, step=5, kind="nonfinite", payload={"tensor": "fc2.weight.grad", "count": 1})
+    assert store.events(rid) == [
+        {"step": 2, "kind": "lr_drop", "payload": {"lr": 0.01}},
+        {"step": 5, "kind": "nonfinite", "payload": {"tensor": "fc1.weight.grad", "count": 3}},
+        {"step": 5, "kind": "nonfinite", "payload": {"tensor": "fc2.weight.grad", "count": 1}},
+    ]
+    assert [e["step"] for e in store.events(rid, kind="lr_drop")] == [2]
+    assert store.events(rid, kind="other") == []
+
+
+def test_reopen_run_truncates_after_from_step(store: RunStore) -> None:
+    rid = _new(store)
+    other = _new(store, "other")
+    for s in range(1, 11):
+        store.log_scalars(rid, s, {"train/loss": 1.0 / s})
+        store.log_scalars(other, s, {"train/loss": 2.0})
+        store.add_event(rid, step=s, kind="tick", payload={})
+    store.finish_run(rid, status="failed", error="preempted")
+    store.reopen_run(rid, from_step=6)
+    rec = store.get_run(rid)
+    assert (rec.status, rec.error, rec.finished_at) == ("running", None, None)
+    assert store.scalars(rid)["train/loss"][0].tolist() == [1, 2, 3, 4, 5, 6]
+    assert [e["step"] for e in store.events(rid)] == [1, 2, 3, 4, 5, 6]
+    assert len(store.scalars(other)["train/loss"][0]) == 10  # another run is untouched
+
+
+def test_run_id_prefixes(store: RunStore) -> None:
+    a = _new(store, "first", run_id="abcdef000001")
+    b = _new(store, "second", run_id="abcdef100002")
+    assert store.get_run("abcdef000001").run_id == a
+    assert store.get_run("ABCDEF100002").run_id == b  # case-insensitive
+    assert store.get_run("abcdef0").run_id == a
+    assert store.get_run(" abcdef1 ").run_id == b
+    with pytest.raises(StoreError, match=r"'abcd' is ambiguous: it matches 2 runs: abcdef100002 \(second\), "
+                                         r"abcdef000001 \(first\); give more characters"):
+        store.get_run("abcd")
+    with pytest.raises(StoreError, match=r"no run with id '1234' in .*runs.db; recent runs: abcdef100002 \(second\), "
+                                         r"abcdef000001 \(first\)$"):
+        store.get_run("1234")
+    with pytest.raises(StoreError, match="too short: give at least 4"):
+        store.get_run("abc")
+    with pytest.raises(StoreError, match="already exists"):
+        _new(store, run_id=a)
+    with pytest.raises(ValueError, match="run_id must be 12 lowercase hex"):
+        _new(store, run_id="xyz")
+
+
+def test_unknown_run_in_writes_and_empty_store(store: RunStore) -> None:
+    with pytest.raises(StoreError, match="no run with id 'feedfeedfeed'.*has no runs yet"):
+        store.log_scalars("feedfeedfeed", 1, {"a": 1.0})
+    with pytest.raises(StoreError, match="no run with id"):
+        store.add_event("feedfeedfeed", step=1, kind="k", payload={})
+    with pytest.raises(StoreError, match="no run with id"):
+        store.finish_run("feedfeedfeed", status="completed")
+
+
+def test_argument_validation_names_the_field(store: RunStore) -> None:
+    rid = _new(store)
+    cases = [
+        (lambda: store.log_scalars(rid, -1, {"a": 1.0}), "step of scalar 'a' must be an integer >= 0, got -1"),
+        (lambda: store.log_scalars(rid, 1.5, {"a": 1.0}), "must be an integer >= 0, got 1.5"),
+        (lambda: store.log_scalars(rid, 1, {"a": "x"}), "scalar 'a' at step 1 must be a real number, got 'x'"),
+        (lambda: store.log_scalars(rid, 1, {"": 1.0}), "scalar key must be a non-empty string"),
+        (lambda: store.finish_run(rid, status="done"), "status must be one of completed, failed, got 'done'"),
+        (lambda: store.list_runs(status="ok"), "status must be one of running, completed, failed"),
+        (lambda: store.create_run(name="", config={}, manifest={}), "name must be a non-empty string"),
+        (lambda: store.create_run(name="n", config={"f": object()}, manifest={}), "config must be JSON-serial"),
+        (lambda: store.create_run(name="n", config=[], manifest={}), "config must be a dict, got list"),
+        (lambda: store.add_event(rid, step=1, kind="k", payload={1j: 2}), "payload must be JSON-serial"),
+        (lambda: store.reopen_run(rid, from_step=True), "from_step must be an integer >= 0, got True"),
+        (lambda: RunStore(store.path, synchronous="off"), "synchronous must be 'full' or 'normal'"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            call()
+    assert store.scalars(rid) == {}  # nothing half-written by the rejected calls
+
+
+def test_baselines(store: RunStore) -> None:
+    with pytest.raises(StoreError, match="no baseline named 'x'.*no baselines are saved there yet"):
+        store.get_baseline("x")
+    store.save_baseline("mlp/bf16", {"envelope": [1.0, 2.0], "seeds": [0, 1, 2]})
+    store.save_baseline("cnn/fp32", {"v": 1})
+    assert store.list_baselines() == ["cnn/fp32", "mlp/bf16"]
+    assert store.get_baseline("mlp/bf16") == {"envelope": [1.0, 2.0], "seeds": [0, 1, 2]}
+    with pytest.raises(StoreError, match="baseline 'cnn/fp32' already exists.*overwrite=True"):
+        store.save_baseline("cnn/fp32", {"v": 2})
+    assert store.get_baseline("cnn/fp32") == {"v": 1}
+    store.save_baseline("cnn/fp32", {"v": 2}, overwrite=True)
+    assert store.get_baseline("cnn/fp32") == {"v": 2}
+    with pytest.raises(StoreError, match="no baseline named 'nope'.*known baselines: cnn/fp32, mlp/bf16"):
+        store.get_baseline("nope")
+
+
+def test_pickle_reopens_same_file_and_threads_share_a_store(store: RunStore) -> None:
+    rid = _new(store)
+    with pickle.loads(pickle.dumps(store)) as copy:
+        assert copy.path == store.path and copy.get_run(rid).run_id == rid
+
+    def log(key: str) -> None:
+        for s in range(200):
+            store.log_scalars(rid, s, {key: float(s)})
+
+    threads = [threading.Thread(target=log, args=(k,)) for k in ("t0", "t1")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {k: len(v[0]) for k, v in store.scalars(rid).items()} == {"t0": 200, "t1": 200}
+
+
+def test_closed_store_raises(tmp_path: Path) -> None:
+    s = RunStore(tmp_path / "runs.db")
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(StoreError, match="is closed"):
+        s.list_runs()
+
+
+# -- file, schema and version rules (oracle: SQLite read directly) ----------------------------------------------
+
+def test_default_path_creates_parent_and_uses_wal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with RunStore() as s:
+        _new(s)
+    db = tmp_path / "lowprec-runs" / "runs.db"
+    assert db.is_file()
+    con = sqlite3.connect(db)
+    try:
+        assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == len(MIGRATIONS) == 1
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert {"runs", "scalars", "events", "baselines", "schema_version"} <= tables
+        assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        con.close()
+
+
+def test_migrations_apply_in_order_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "runs.db"
+    with RunStore(path) as s:
+        rid = _new(s)
+        s.log_scalars(rid, 1, {"a": 1.5})
+    v2 = ("CREATE TABLE tags (run_id TEXT NOT NULL, tag TEXT NOT NULL)",
+          "INSERT INTO tags SELECT run_id, 'migrated' FROM runs")
+    monkeypatch.setattr(_store, "MIGRATIONS", [*MIGRATIONS, v2])
+    for _ in range(2):  # the second open must not apply version 2 again
+        with RunStore(path) as s:
+            assert s.scalars(rid)["a"][1].tolist() == [1.5]
+    con = sqlite3.connect(path)
+    try:
+        assert [r[0] for r in con.execute("SELECT version FROM schema_version ORDER BY version")] == [1, 2]
+        assert con.execute("SELECT run_id, tag FROM tags").fetchall() == [(rid, "migrated")]
+    finally:
+        con.close()
+
+
+def test_failed_migration_is_rolled_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "runs.db"
+    RunStore(path).close()
+    monkeypatch.setattr(_store, "MIGRATIONS", [*MIGRATIONS, ("CREATE TABLE t2 (x)", "SELECT * FROM no_such_table")])
+    with pytest.raises(StoreError, match="no such table"):
+        RunStore(path)
+    con = sqlite3.connect(path)
+    try:
+        assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == 1
+        assert con.execute("SELECT name FROM sqlite_master WHERE name = 't2'").fetchone() is None
+    finally:
+        con.close()
+
+
+def test_newer_schema_version_asks_to_upgrade(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    RunStore(path).close()
+    con = sqlite3.connect(path)
+    with con:
+        con.execute("INSERT INTO schema_version VALUES (?, 0)", (len(MIGRATIONS) + 1,))
+    con.close()
+    with pytest.raises(StoreError, match=r"written by a newer lowprec \(schema version 2; this lowprec reads up to "
+                                         r"version 1\); upgrade lowprec"):
+        RunStore(path)
+
+
+def test_garbage_file_is_not_a_store(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    path.write_bytes(random.Random(0).randbytes(8192))
+    with pytest.raises(StoreError, match=r"runs.db is not a lowprec run store \(file is not a database\); "
+                                         r"move it away or pass --store"):
+        RunStore(path)
+    assert path.read_bytes() == random.Random(0).randbytes(8192)  # left untouched
+
+
+def test_corrupt_store_pages_are_reported(tmp_path: Path) -> None:
+    """A real store whose pages after the 100-byte header are overwritten: SQLite reports it malformed."""
+    path = tmp_path / "runs.db"
+    with RunStore(path) as s:
+        s.log_rows(_new(s), [(i, "k", 1.0) for i in range(2000)])
+    data = path.read_bytes()
+    path.write_bytes(data[:100] + random.Random(1).randbytes(len(data) - 100))
+    with pytest.raises(StoreError, match="is not a lowprec run store .*malformed"):
+        RunStore(path)
+
+
+def test_other_sqlite_database_is_not_a_store(tmp_path: Path) -> None:
+    path = tmp_path / "app.db"
+    con = sqlite3.connect(path)
+    with con:
+        con.execute("CREATE TABLE users (id INTEGER)")
+    con.close()
+    with pytest.raises(StoreError, match="is not a lowprec run store .*SQLite database with other tables"):
+        RunStore(path)
+
+
+def test_unwritable_paths(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match=r"cannot write the run store at .*: it is a directory; pass --store PATH"):
+        RunStore(tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    # a path below a regular file cannot be created, even by root
+    with pytest.raises(StoreError, match=r"cannot write the run store at .*file/sub/runs.db: cannot create .*"
+                                         r"; pass --store PATH or fix permissions"):
+        RunStore(blocker / "sub" / "runs.db")
+
+
+def test_read_only_directory(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        try:
+            (ro / "probe").touch()
+        except PermissionError:
+            pass
+        else:
+            pytest.skip("running as root: chmod does not block writes (test_unwritable_paths covers this user)")
+        with pytest.raises(StoreError, match=r"cannot write the run store at .*ro/runs.db: .*pass --store PATH"):
+            RunStore(ro / "runs.db")
+    finally:
+        ro.chmod(0o755)
+
+
+# -- the dead-process rule (oracle: processes whose fate the test controls) -------------------------------------
+
+def _set_owner(path: Path, rid: str, **cols: object) -> None:
+    con = sqlite3.connect(path)
+    with con:
+        for col, val in cols.items():
+            con.execute(f"UPDATE runs SET {col} = ? WHERE run_id = ?", (val, rid))
+    con.close()
+
+
+def test_dead_zombie_reused_and_remote_processes(store: RunStore) -> None:
+    rid = _new(store)
+    assert store.get_run(rid).status == "running"  # this very process
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    try:
+        for _ in range(500):  # wait until it has exited but is not reaped: a zombie
+            stat = _store._proc_stat(child.pid)
+            if stat is None or stat[0] == "Z":
+                break
+            time.sleep(0.01)
+        _set_owner(store.path, rid, pid=child.pid, pid_start=None)
+        rec = store.get_run(rid)
+        assert (rec.status, rec.error) == ("failed", f"process {child.pid} ended without finishing the run")
+    finally:
+        child.wait()
+    assert store.get_run(rid).status == "failed"  # reaped: no such process
+    assert [r.run_id for r in store.list_runs(status="failed")] == [rid]
+    _set_owner(store.path, rid, hostname="another-host")  # cannot be checked from here: stored status stands
+    assert store.get_run(rid).status == "running"
+    _set_owner(store.path, rid, hostname=store._hostname, pid=os.getpid(), pid_start="1")
+    if _store._proc_stat(os.getpid()) is not None:  # Linux: a live pid with another start time was reused
+        assert store.get_run(rid).status == "failed"
+
+
+# Child processes load _store.py as a standalone module: importing the lowprec package would import torch (~4 s
+# of CPU per process); the store itself needs only the standard library and numpy.
+_STANDALONE = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("lowprec_store_standalone", {_store.__file__!r})
+mod = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mod
+spec.loader.exec_module(mod)
+RunStore = mod.RunStore
+"""
+
+_KILLED_WRITER = _STANDALONE + """
+store = RunStore(sys.argv[1])
+rid = store.create_run(name="doomed", config={}, manifest={})
+step = 0
+while True:
+    step += 1
+    store.log_scalars(rid, step, {"train/loss": 1.0 / step})
+    store.log_rows(rid, [(step, f"bulk/{i}", float(i)) for i in range(300)])
+    if step == 20:
+        print(rid, flush=True)
+"""
+
+
+def test_sigkill_mid_run_leaves_a_readable_store(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        rid = proc.stdout.readline().strip()
+        time.sleep(0.3)  # let it commit more, then kill it wherever it is (likely inside a transaction)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    assert len(rid) == 12, "the writer did not start"
+    with RunStore(path) as s:
+        rec = s.get_run(rid)
+        assert (rec.status, rec.error) == ("failed", f"process {proc.pid} ended without finishing the run")
+        sc = s.scalars(rid)
+        last = int(sc["train/loss"][0][-1])
+        assert last >= 20 and sc["train/loss"][0].tolist() == list(range(1, last + 1))  # nothing committed lost
+        bulk_steps = {k: v[0].tolist() for k, v in sc.items() if k.startswith("bulk/")}
+        assert len(bulk_steps) == 300
+        assert len({tuple(v) for v in bulk_steps.values()}) == 1  # each batch is all there or not at all
+    con = sqlite3.connect(path)
+    try:
+        assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        con.close()
+
+
+# -- two processes writing at once (oracle: every value is a known function of who wrote it) ---------------------
+
+N_RUNS, N_STEPS, KEYS = 2, 600, ("train/loss", "train/lr", "train/grad_norm")
+
+
+def _value(worker: int, run: int, step: int, key: int) -> float:
+    return worker * 1e6 + run * 1e4 + step + key / 8  # the same formula is in _CONCURRENT_WRITER
+
+
+_CONCURRENT_WRITER = _STANDALONE + """
+with RunStore(PATH) as s:
+    BARRIER.wait(timeout=60)  # both processes start logging together
+    for run in range(N_RUNS):
+        rid = s.create_run(name=f"w{WORKER} r{run}", config={"worker": WORKER}, manifest={})
+        for step in range(1, N_STEPS + 1):
+            s.log_scalars(rid, step, {k: WORKER * 1e6 + run * 1e4 + step + i / 8 for i, k in enumerate(KEYS)})
+        s.log_rows(rid, [(step, "bulk", float(step)) for step in range(1, N_STEPS + 1)])
+        s.add_event(rid, step=N_STEPS, kind="done", payload={"worker": WORKER})
+        s.finish_run(rid, status="completed")
+        QUEUE.put((WORKER, run, rid))
+"""
+
+
+def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    RunStore(path).close()  # created once; the workers race on everything else
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=exec, args=(_CONCURRENT_WRITER, {
+        "PATH": str(path), "WORKER": w, "BARRIER": barrier, "QUEUE": queue, "N_RUNS": N_RUNS, "N_STEPS": N_STEPS,
+        "KEYS": KEYS})) for w in range(2)]
+    for p in procs:
+        p.start()
+    ids = [queue.get(timeout=120) for _ in range(2 * N_RUNS)]
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    queue.close()
+    queue.join_thread()
+    with RunStore(path) as s:
+        runs = s.list_runs(status="completed")
+        assert len(runs) == 2 * N_RUNS
+        spans = [(min(r.created_at for r in runs if r.config["worker"] == w),
+                  max(r.finished_at for r in runs if r.config["worker"] == w)) for w in range(2)]
+        assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], "the writers did not overlap in time"
+        for worker, run, rid in ids:
+            sc = s.scalars(rid)
+            assert sorted(sc) == sorted([*KEYS, "bulk"])
+            for i, k in enumerate(KEYS):
+                steps, values = sc[k]
+                assert steps.tolist() == list(range(1, N_STEPS + 1))
+                assert values.tolist() == [_value(worker, run, st, i) for st in range(1, N_STEPS + 1)]
+            assert s.events(rid) == [{"step": N_STEPS, "kind": "done", "payload": {"worker": worker}}]
