@@ -13,6 +13,12 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically; returns the path.  Raises ``ValueError`` when it cannot be written."""
     target = Path(path)
@@ -22,6 +28,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     except OSError as e:
         raise ValueError(f"cannot write {str(target)!r}: {e.strerror or e}") from None
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the mode open() would have
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -1,0 +1,1 @@
+"""Training runs, baselines and accuracy judgement for low-precision recipes."""
