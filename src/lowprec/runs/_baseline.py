@@ -1,0 +1,401 @@
+"""Baselines: what N seeds of a reference run look like, and the acceptance criteria declared before judging.
+
+A baseline is built from N >= 2 completed runs of one config that differ only in the seed (the reference is fp32
+unless the config says otherwise).  It keeps
+
+* the per-step envelope of the smoothed training loss over the seeds: mean, standard deviation (ddof=1), min, max
+  (smoothing: trailing moving average of ``criteria.smoothing_window`` steps, see ``_stats.smooth``);
+* the final value of each eval metric for each seed (the distribution the final-metric test compares against);
+* the ``Criteria``, fixed when the baseline is created, never chosen after seeing a candidate;
+* identity: model, data hash, steps, the config without seed (and its digest without recipe), each seed's manifest.
+
+It converts to a readable JSON document (one envelope row per line, so ``git diff`` of two goldens shows the steps
+that moved) and back, with strict validation.  Which candidates may be judged against it: ``check_compatible``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._stats import Criteria, smooth
+
+FORMAT = "lowprec-baseline"
+FORMAT_VERSION = 1
+LOSS_KEY = "train/loss"
+DIRECTIONS = ("min", "max")
+ENVELOPE_COLUMNS = ("step", "mean", "std", "min", "max")
+# Config keys that may differ between the seed runs of one baseline (labels and where things are stored).
+RUN_LOCAL_KEYS = frozenset({"seed", "seeds", "name", "group", "store", "threads", "checkpoint"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class RunData:
+    """One stored run as the judge sees it (built by ``from_store`` or, in tests, from synthetic curves)."""
+
+    run_id: str
+    name: str
+    group: str | None
+    status: str
+    """"running" | "completed" | "failed"."""
+    config: dict
+    """Resolved RunConfig as plain data: ``config["model"]``, ``config["steps"]``."""
+    manifest: dict
+    """``manifest["data_hash"]``, ``manifest["seed"]``, ``manifest["metrics"]`` (metric -> "min" | "max")."""
+    scalars: dict[str, tuple[np.ndarray, np.ndarray]]
+    """Key (``train/loss``, ``eval/<metric>``) -> (steps int64, values float64)."""
+    events: list[dict] = dataclasses.field(default_factory=list)
+    """``{"step", "kind", "payload"}``; kind "nonfinite" marks a NaN/inf the runner saw."""
+
+    @classmethod
+    def from_store(cls, store: Any, run_id: str) -> RunData:
+        """Read one run (``run_id`` or a unique prefix) from a ``RunStore``."""
+        rec = store.get_run(run_id)
+        return cls(run_id=rec.run_id, name=rec.name, group=rec.group, status=rec.status, config=rec.config,
+                   manifest=rec.manifest, scalars=store.scalars(rec.run_id), events=store.events(rec.run_id))
+
+    @property
+    def label(self) -> str:
+        return f"{self.name!r} ({self.run_id})"
+
+
+def model_name(run: RunData) -> str:
+    m = run.config.get("model")
+    if isinstance(m, dict):
+        m = m.get("name")
+    if not isinstance(m, str) or not m:
+        raise ValueError(f"run {run.label}: config['model'] must be the model name; got {m!r}")
+    return m
+
+
+def planned_steps(run: RunData) -> int:
+    """``config["steps"]`` when recorded, else the last logged ``train/loss`` step."""
+    s = run.config.get("steps")
+    if isinstance(s, int) and not isinstance(s, bool) and s >= 1:
+        return s
+    steps = run.scalars.get(LOSS_KEY, (np.zeros(0, np.int64), None))[0]
+    if len(steps) == 0:
+        raise ValueError(f"run {run.label}: no config['steps'] and no {LOSS_KEY!r} scalars")
+    return int(steps[-1])
+
+
+def identity_config(config: Mapping[str, Any]) -> dict:
+    """The config without the keys that may differ between seeds of one baseline (``RUN_LOCAL_KEYS``)."""
+    return {k: v for k, v in config.items() if k not in RUN_LOCAL_KEYS}
+
+
+def config_digest(config: Mapping[str, Any]) -> str:
+    """sha256 (16 hex) of the canonical JSON of the config without run-local keys and without ``recipe``."""
+    body = {k: v for k, v in identity_config(config).items() if k != "recipe"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def final_value(run: RunData, metric: str) -> tuple[int, float] | None:
+    """(step, value) of the last logged ``eval/<metric>``, or None."""
+    got = run.scalars.get(f"eval/{metric}")
+    if got is None or len(got[0]) == 0:
+        return None
+    return int(got[0][-1]), float(got[1][-1])
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same directory, fsync, then ``os.replace``:
+    readers see the old file or the new one, never half of one."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return p
+
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Baseline:
+    """N seeds of a reference run, summarised (see the module docstring).  Arrays are float64, one per step."""
+
+    name: str
+    model: str
+    data_hash: str
+    steps: int
+    """Planned training steps (every seed ran all of them)."""
+    config: dict
+    """The reference config without run-local keys (``identity_config``)."""
+    config_digest: str
+    metrics: dict[str, str]
+    """Eval metric -> "min" | "max" (lower / higher is better)."""
+    criteria: Criteria
+    seeds: tuple[int, ...]
+    run_ids: tuple[str, ...]
+    run_names: tuple[str, ...]
+    manifests: tuple[dict, ...]
+    finals: dict[str, np.ndarray]
+    """Metric -> final value per seed (in ``seeds`` order)."""
+    env_steps: np.ndarray
+    """int64 steps of the envelope (the logged ``train/loss`` steps)."""
+    env_mean: np.ndarray
+    env_std: np.ndarray
+    env_min: np.ndarray
+    env_max: np.ndarray
+
+    @property
+    def n_seeds(self) -> int:
+        return len(self.seeds)
+
+    # --------------------------------------------------------------------------------------- compatibility
+    def check_compatible(self, run: RunData) -> None:
+        """ValueError naming every difference when ``run`` cannot be judged against this baseline: a different
+        model, data hash or number of steps (a different recipe, hardware or version is what one compares)."""
+        diffs = []
+        for field, mine, theirs in (
+            ("model", self.model, _safe(model_name, run)),
+            ("data_hash", self.data_hash, run.manifest.get("data_hash")),
+            ("steps", self.steps, _safe(planned_steps, run)),
+        ):
+            if mine != theirs:
+                diffs.append(f"{field} {theirs!r} != baseline's {mine!r}")
+        if diffs:
+            raise ValueError(f"run {run.label} cannot be judged against baseline {self.name!r}: "
+                             + "; ".join(diffs))
+
+    # ------------------------------------------------------------------------------------------ JSON form
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (format ``lowprec-baseline`` version ``FORMAT_VERSION``)."""
+        rows = [[int(s), float(a), float(b), float(c), float(d)] for s, a, b, c, d in
+                zip(self.env_steps, self.env_mean, self.env_std, self.env_min, self.env_max, strict=True)]
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "name": self.name,
+            "model": self.model,
+            "data_hash": self.data_hash,
+            "steps": self.steps,
+            "config_digest": self.config_digest,
+            "metrics": dict(self.metrics),
+            "criteria": self.criteria.to_dict(),
+            "seeds": [
+                {"seed": s, "run_id": r, "name": n, "final": {m: float(v[i]) for m, v in self.finals.items()},
+                 "manifest": man}
+                for i, (s, r, n, man) in enumerate(zip(self.seeds, self.run_ids, self.run_names, self.manifests,
+                                                       strict=True))
+            ],
+            "config": self.config,
+            "envelope": {"columns": list(ENVELOPE_COLUMNS), "rows": rows},
+        }
+
+    def to_json(self) -> str:
+        """Readable JSON: indented, one envelope row per line."""
+        d = self.to_dict()
+        rows = d["envelope"].pop("rows")
+        d["envelope"]["rows"] = "@ROWS@"
+        text = json.dumps(d, indent=2, allow_nan=False)
+        body = ",\n".join("      " + json.dumps(r, allow_nan=False) for r in rows)
+        return text.replace('"@ROWS@"', "[\n" + body + "\n    ]" if rows else "[]") + "\n"
+
+    def save_json(self, path: str | os.PathLike) -> Path:
+        """Write ``to_json()`` atomically (temporary file, fsync, rename)."""
+        return atomic_write_text(path, self.to_json())
+
+    @classmethod
+    def load_json(cls, path: str | os.PathLike) -> Baseline:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"baseline file {str(p)!r} does not exist") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read baseline file {str(p)!r}: {e}") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Baseline:
+        """Strict inverse of ``to_dict``: errors name the field, the bad value and what is allowed."""
+        return _parse(data)
+
+
+def _safe(fn: Any, run: RunData) -> Any:
+    try:
+        return fn(run)
+    except ValueError:
+        return None
+
+
+def build_baseline(name: str, runs: list[RunData], *, criteria: Criteria | None = None) -> Baseline:
+    """Summarise N >= 2 completed seed runs of one config into a named ``Baseline``.
+
+    Every run must be completed, finite, have a distinct seed, the same config apart from run-local keys
+    (``RUN_LOCAL_KEYS``), the same data hash, metrics and ``train/loss`` steps, and a final value of each
+    metric logged at the last step."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"baseline name must be a non-empty string; got {name!r}")
+    crit = Criteria() if criteria is None else criteria
+    if not isinstance(crit, Criteria):
+        raise ValueError(f"criteria must be a Criteria; got {type(crit).__name__}")
+    if len(runs) < 2:
+        raise ValueError(f"a baseline needs runs of >= 2 seeds (seed-to-seed noise is what it measures); "
+                         f"got {len(runs)}")
+    first = runs[0]
+    seeds, finals_rows, curves = [], [], []
+    metrics = first.manifest.get("metrics")
+    if not isinstance(metrics, dict) or not metrics or any(v not in DIRECTIONS for v in metrics.values()):
+        raise ValueError(f"run {first.label}: manifest['metrics'] must map metric names to 'min' or 'max'; "
+                         f"got {metrics!r}")
+    ref_cfg = identity_config(first.config)
+    for run in runs:
+        if run.status != "completed":
+            raise ValueError(f"run {run.label} has status {run.status!r}; a baseline takes completed runs only")
+        seed = run.manifest.get("seed")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"run {run.label}: manifest['seed'] must be an integer; got {seed!r}")
+        if seed in seeds:
+            raise ValueError(f"run {run.label}: seed {seed} appears twice; baseline seeds must be distinct")
+        seeds.append(seed)
+        cfg = identity_config(run.config)
+        if cfg != ref_cfg:
+            keys = sorted(k for k in set(cfg) | set(ref_cfg) if cfg.get(k) != ref_cfg.get(k))
+            raise ValueError(f"run {run.label}: config differs from run {first.label} in {keys}; "
+                             f"baseline runs must differ only in the seed")
+        for field in ("data_hash", "metrics"):
+            if run.manifest.get(field) != first.manifest.get(field):
+                raise ValueError(f"run {run.label}: manifest[{field!r}] {run.manifest.get(field)!r} differs from "
+                                 f"run {first.label}'s {first.manifest.get(field)!r}")
+        steps, loss = _loss(run)
+        if curves and not np.array_equal(steps, curves[0][0]):
+            raise ValueError(f"run {run.label}: {LOSS_KEY!r} steps differ from run {first.label}'s")
+        if not np.isfinite(loss).all():
+            bad = int(steps[np.flatnonzero(~np.isfinite(loss))[0]])
+            raise ValueError(f"run {run.label}: {LOSS_KEY!r} is not finite at step {bad}; a reference run "
+                             f"must not diverge")
+        curves.append((steps, smooth(loss, crit.smoothing_window)))
+        if int(steps[-1]) != planned_steps(run):
+            raise ValueError(f"run {run.label}: last {LOSS_KEY!r} step {int(steps[-1])} != steps "
+                             f"{planned_steps(run)}")
+        row = []
+        for m in metrics:
+            got = final_value(run, m)
+            if got is None or got[0] != int(steps[-1]) or not math.isfinite(got[1]):
+                raise ValueError(f"run {run.label}: needs a finite 'eval/{m}' at the last step {int(steps[-1])}; "
+                                 f"got {got!r}")
+            row.append(got[1])
+        finals_rows.append(row)
+    if crit.metrics is not None and set(crit.metrics) - set(metrics):
+        raise ValueError(f"criteria.metrics {sorted(set(crit.metrics) - set(metrics))} are not metrics of the "
+                         f"runs; known: {sorted(metrics)}")
+    stack = np.stack([c for _, c in curves])
+    fin = np.asarray(finals_rows, dtype=np.float64)
+    data_hash = first.manifest.get("data_hash")
+    if not isinstance(data_hash, str) or not data_hash:
+        raise ValueError(f"run {first.label}: manifest['data_hash'] must be a non-empty string; got {data_hash!r}")
+    return Baseline(
+        name=name, model=model_name(first), data_hash=data_hash, steps=planned_steps(first), config=ref_cfg,
+        config_digest=config_digest(first.config), metrics=dict(metrics), criteria=crit, seeds=tuple(seeds),
+        run_ids=tuple(r.run_id for r in runs), run_names=tuple(r.name for r in runs),
+        manifests=tuple(r.manifest for r in runs), finals={m: fin[:, i] for i, m in enumerate(metrics)},
+        env_steps=curves[0][0], env_mean=stack.mean(axis=0), env_std=stack.std(axis=0, ddof=1),
+        env_min=stack.min(axis=0), env_max=stack.max(axis=0),
+    )
+
+
+def _loss(run: RunData) -> tuple[np.ndarray, np.ndarray]:
+    got = run.scalars.get(LOSS_KEY)
+    if got is None or len(got[0]) == 0:
+        raise ValueError(f"run {run.label} has no {LOSS_KEY!r} scalars")
+    return np.asarray(got[0], dtype=np.int64), np.asarray(got[1], dtype=np.float64)
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+def _get(d: dict, key: str, types: type | tuple[type, ...], where: str) -> Any:
+    if key not in d:
+        raise ValueError(f"{where}{key} is missing")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, types):
+        raise ValueError(f"{where}{key} must be {getattr(types, '__name__', types)}; got {v!r}")
+    return v
+
+
+def _parse(data: Any) -> Baseline:
+    if not isinstance(data, dict):
+        raise ValueError(f"a baseline must be a JSON object; got {type(data).__name__}")
+    top = {"format", "version", "name", "model", "data_hash", "steps", "config_digest", "metrics", "criteria",
+           "seeds", "config", "envelope"}
+    if set(data) - top:
+        raise ValueError(f"unknown key(s) {sorted(set(data) - top)}; allowed: {sorted(top)}")
+    if data.get("format") != FORMAT:
+        raise ValueError(f"format must be {FORMAT!r}; got {data.get('format')!r}")
+    if data.get("version") != FORMAT_VERSION:
+        raise ValueError(f"version {data.get('version')!r} is not supported; this lowprec reads {FORMAT_VERSION}")
+    name, model, data_hash, digest = (_get(data, k, str, "") for k in ("name", "model", "data_hash",
+                                                                       "config_digest"))
+    steps = _get(data, "steps", int, "")
+    metrics = _get(data, "metrics", dict, "")
+    for m, d in metrics.items():
+        if d not in DIRECTIONS:
+            raise ValueError(f"metrics.{m} must be 'min' or 'max'; got {d!r}")
+    crit = Criteria.from_dict(_get(data, "criteria", dict, ""))
+    config = _get(data, "config", dict, "")
+    seeds_in = _get(data, "seeds", list, "")
+    if len(seeds_in) < 2:
+        raise ValueError(f"seeds must list >= 2 seed runs; got {len(seeds_in)}")
+    seeds, ids, names, mans, fin = [], [], [], [], []
+    for i, s in enumerate(seeds_in):
+        w = f"seeds[{i}]."
+        if not isinstance(s, dict) or set(s) != {"seed", "run_id", "name", "final", "manifest"}:
+            raise ValueError(f"seeds[{i}] must be an object with keys final, manifest, name, run_id, seed; got {s!r}")
+        seeds.append(_get(s, "seed", int, w))
+        ids.append(_get(s, "run_id", str, w))
+        names.append(_get(s, "name", str, w))
+        mans.append(_get(s, "manifest", dict, w))
+        final = _get(s, "final", dict, w)
+        if set(final) != set(metrics):
+            raise ValueError(f"{w}final must have one value per metric {sorted(metrics)}; got {sorted(final)}")
+        for m in metrics:
+            v = _get(final, m, (int, float), w + "final.")
+            if not math.isfinite(v):
+                raise ValueError(f"{w}final.{m} must be finite; got {v!r}")
+        fin.append([float(final[m]) for m in metrics])
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be distinct; got {seeds}")
+    env = _get(data, "envelope", dict, "")
+    if env.get("columns") != list(ENVELOPE_COLUMNS) or set(env) != {"columns", "rows"}:
+        raise ValueError(f"envelope must be {{'columns': {list(ENVELOPE_COLUMNS)}, 'rows': [...]}}")
+    rows = env["rows"]
+    if not isinstance(rows, list) or not rows or any(
+            not isinstance(r, list) or len(r) != 5 or not all(isinstance(x, int | float) and not isinstance(
+                x, bool) and math.isfinite(x) for x in r) for r in rows):
+        raise ValueError("envelope.rows must be a non-empty list of [step, mean, std, min, max] finite numbers")
+    arr = np.asarray(rows, dtype=np.float64)
+    st = arr[:, 0].astype(np.int64)
+    if not np.array_equal(st, arr[:, 0]) or (np.diff(st) <= 0).any() or st[0] < 1:
+        raise ValueError("envelope.rows steps must be increasing integers >= 1")
+    slack = 1e-9 * np.maximum(1.0, np.abs(arr[:, 1]))
+    if (arr[:, 2] < 0).any() or (arr[:, 3] > arr[:, 1] + slack).any() or (arr[:, 1] > arr[:, 4] + slack).any():
+        raise ValueError("envelope.rows must have std >= 0 and min <= mean <= max")
+    f = np.asarray(fin, dtype=np.float64)
+    return Baseline(
+        name=name, model=model, data_hash=data_hash, steps=steps, config=config, config_digest=digest,
+        metrics=dict(metrics), criteria=crit, seeds=tuple(seeds), run_ids=tuple(ids), run_names=tuple(names),
+        manifests=tuple(mans), finals={m: f[:, i] for i, m in enumerate(metrics)}, env_steps=st,
+        env_mean=arr[:, 1], env_std=arr[:, 2], env_min=arr[:, 3], env_max=arr[:, 4],
+    )
