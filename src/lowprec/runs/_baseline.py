@@ -20,13 +20,13 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ._atomic import atomic_write_text
 from ._stats import Criteria, smooth
 
 FORMAT = "lowprec-baseline"
@@ -105,28 +105,6 @@ def final_value(run: RunData, metric: str) -> tuple[int, float] | None:
     if got is None or len(got[0]) == 0:
         return None
     return int(got[0][-1]), float(got[1][-1])
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same directory, fsync, then ``os.replace``:
-    readers see the old file or the new one, never half of one."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return p
-
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
