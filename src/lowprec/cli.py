@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="quantize a tensor with every named spec and print the error")
     d.add_argument("--seed", type=int, default=0, help="seed for the demo tensor (default 0)")
     d.set_defaults(func=cmd_demo)
+    from . import _cli_runs
+
+    _cli_runs.add_parsers(sub)
     return p
 
 
@@ -100,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"lowprec: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("lowprec: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # e.g. `lowprec formats | head`
         sys.stderr.close()
         return 0

@@ -1,0 +1,170 @@
+"""CLI commands for runs: ``run``, ``runs list|show|export``.  Each builds library objects and calls the library."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import os
+import sys
+from typing import Any
+
+from .runs._config import DEFAULT_STORE, RunConfig, load
+
+
+def store_path(args: argparse.Namespace, config: RunConfig | None = None) -> str:
+    """--store, else $LOWPREC_STORE, else the config's store, else ./lowprec-runs/runs.db."""
+    if getattr(args, "store", None):
+        return str(args.store)
+    if os.environ.get("LOWPREC_STORE"):
+        return os.environ["LOWPREC_STORE"]
+    return config.store if config is not None else DEFAULT_STORE
+
+
+def open_store(path: str) -> Any:
+    from .runs._store import RunStore
+
+    return RunStore(path)
+
+
+def config_with_overrides(args: argparse.Namespace) -> RunConfig:
+    """The config file, with the command line's --seeds/--steps/--recipe/--store applied."""
+    from . import recipes
+
+    config = load(args.config)
+    changes: dict[str, Any] = {}
+    if getattr(args, "seeds", None):
+        changes["seeds"] = tuple(args.seeds)
+    if getattr(args, "steps", None) is not None:
+        changes["steps"] = args.steps
+    if getattr(args, "recipe", None):
+        changes["recipe"] = recipes.get(args.recipe)
+    changes["store"] = store_path(args, config)
+    try:
+        return dataclasses.replace(config, **changes)
+    except ValueError as e:
+        raise ValueError(f"command line: {e}") from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .runs._runner import resume_run, run_config
+
+    if args.resume:
+        with open_store(store_path(args)) as store:
+            run_id = resume_run(args.resume, store=store, progress=not args.quiet)
+            print(f"resumed run {run_id}: {store.get_run(run_id).status}")
+        return 0
+    if not args.config:
+        raise ValueError("give a CONFIG.toml to run (or --resume RUN_ID)")
+    config = config_with_overrides(args)
+    with open_store(config.store) as store:
+        ids = run_config(config, store=store, progress=not args.quiet)
+        for run_id in ids:
+            print(_run_line(store.get_run(run_id), store))
+    return 0
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else _dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _last(scalars: dict[str, Any], key: str) -> str:
+    if key not in scalars or not len(scalars[key][1]):
+        return "-"
+    return f"{float(scalars[key][1][-1]):.4g}"
+
+
+def _run_line(rec: Any, store: Any) -> str:
+    sc = store.scalars(rec.run_id)
+    evals = "  ".join(f"{k[5:]}={_last(sc, k)}" for k in sorted(sc) if k.startswith("eval/"))
+    steps = int(sc["train/loss"][0][-1]) if "train/loss" in sc and len(sc["train/loss"][0]) else 0
+    return f"{rec.run_id}  {rec.status:<9} {steps:>6}  {rec.name:<40} train loss {_last(sc, 'train/loss')}  eval {evals}"
+
+
+def cmd_runs_list(args: argparse.Namespace) -> int:
+    with open_store(store_path(args)) as store:
+        runs = store.list_runs(group=args.group, status=args.status)
+        if not runs:
+            print("no runs" + (f" in group {args.group!r}" if args.group else ""))
+            return 0
+        print(f"{'id':<12}  {'status':<9} {'steps':>6}  {'name':<40} last values")
+        for rec in runs:
+            print(_run_line(rec, store))
+    return 0
+
+
+def cmd_runs_show(args: argparse.Namespace) -> int:
+    with open_store(store_path(args)) as store:
+        rec = store.get_run(args.run_id)
+        sc = store.scalars(rec.run_id)
+        events = store.events(rec.run_id)
+    print(f"run {rec.run_id}: {rec.name}")
+    print(f"  status   {rec.status}" + (f" ({rec.error})" if rec.error else ""))
+    print(f"  group    {rec.group}")
+    print(f"  created  {_when(rec.created_at)}   finished {_when(rec.finished_at)}")
+    print(f"  model    {rec.config.get('model')}   recipe {rec.config.get('recipe', {}).get('name')} "
+          f"({rec.manifest.get('recipe_hash')})   seed {rec.manifest.get('seed')}")
+    print(f"  data     {rec.manifest.get('data_source')} sha256 {str(rec.manifest.get('data_hash'))[:16]}")
+    versions = rec.manifest.get("versions", {})
+    print("  versions " + "  ".join(f"{k} {v}" for k, v in versions.items()))
+    print(f"  hardware {rec.manifest.get('hardware', {}).get('cpu')}")
+    for key in sorted(sc):
+        steps, values = sc[key]
+        if len(values):
+            print(f"  {key:<22} {len(values):>6} points, last {float(values[-1]):.6g} at step {int(steps[-1])}")
+    for ev in events:
+        print(f"  event    step {ev['step']}: {ev['kind']} {json.dumps(ev['payload'])}")
+    return 0
+
+
+def cmd_runs_export(args: argparse.Namespace) -> int:
+    from .runs._export import export_run, export_tensorboard
+
+    with open_store(store_path(args)) as store:
+        run_id = store.get_run(args.run_id).run_id
+        if args.format == "tensorboard":
+            out = export_tensorboard(store, run_id, args.out or f"tb/{run_id}")
+            print(f"wrote TensorBoard event files to {out} (tensorboard --logdir {out})")
+            return 0
+        if args.out:
+            export_run(store, run_id, fmt=args.format, out=args.out)
+            print(f"wrote {args.out}")
+        else:
+            export_run(store, run_id, fmt=args.format, out=sys.stdout)
+    return 0
+
+
+def add_store_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", metavar="PATH",
+                   help=f"run store database (default $LOWPREC_STORE or the config's, else {DEFAULT_STORE})")
+
+
+def add_parsers(sub: Any) -> None:
+    r = sub.add_parser("run", help="train a run config (one run per seed) and record it in the run store")
+    r.add_argument("config", nargs="?", metavar="CONFIG.toml", help="run config (see docs/runs.md)")
+    r.add_argument("--seeds", type=int, nargs="+", metavar="S", help="override the config's seeds")
+    r.add_argument("--steps", type=int, help="override the config's steps")
+    r.add_argument("--recipe", metavar="NAME", help="override the config's recipe with a named one")
+    r.add_argument("--resume", metavar="RUN_ID", help="continue a stored run from its newest checkpoint")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_store_arg(r)
+    r.set_defaults(func=cmd_run)
+
+    runs = sub.add_parser("runs", help="list, show and export recorded runs")
+    rs = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
+    lst = rs.add_parser("list", help="the runs in the store, newest first")
+    lst.add_argument("--group", help="only runs of this group")
+    lst.add_argument("--status", choices=("running", "completed", "failed"), help="only runs with this status")
+    add_store_arg(lst)
+    lst.set_defaults(func=cmd_runs_list)
+    show = rs.add_parser("show", help="one run: config, manifest, last values, events")
+    show.add_argument("run_id", metavar="RUN_ID", help="run id or a unique prefix of it")
+    add_store_arg(show)
+    show.set_defaults(func=cmd_runs_show)
+    exp = rs.add_parser("export", help="write a run's scalars as CSV, JSON or TensorBoard event files")
+    exp.add_argument("run_id", metavar="RUN_ID")
+    exp.add_argument("--format", choices=("csv", "json", "tensorboard"), default="csv")
+    exp.add_argument("--out", metavar="PATH", help="output file (directory for tensorboard); default stdout")
+    add_store_arg(exp)
+    exp.set_defaults(func=cmd_runs_export)
