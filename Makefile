@@ -14,7 +14,6 @@ $(STAMP): pyproject.toml requirements.lock
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/lowprec formats
 	$(VENV)/bin/lowprec demo
 
 test: $(STAMP)

@@ -52,15 +52,15 @@ def test_version_and_help() -> None:
 
 def test_user_errors_exit_2_without_traceback() -> None:
     """Oracle: the CLI contract (one-line message on stderr, exit status 2, no traceback)."""
-    for args in (("demo", "--seed", "-1"), ("nonsense",), ()):
+    for args in (("quant-demo", "--seed", "-1"), ("demo", "--steps", "0"), ("nonsense",), ()):
         r = run_cli(*args)
         assert r.returncode == 2, (args, r.returncode, r.stderr)
         assert "Traceback" not in r.stderr
 
 
-def test_demo_prints_every_spec_and_the_stochastic_rounding_example() -> None:
+def test_quant_demo_prints_every_spec_and_the_stochastic_rounding_example() -> None:
     """Oracle: QuantSpec.names() and the fp16 1024 + 0.5 x 2048 example (nearest stays at 1024)."""
-    r = run_cli("demo")
+    r = run_cli("quant-demo")
     assert r.returncode == 0, r.stderr
     for name in lowprec.QuantSpec.names():
         assert any(line.startswith(name + " ") for line in r.stdout.splitlines()), name

@@ -34,7 +34,7 @@ def config_with_overrides(args: argparse.Namespace) -> RunConfig:
 
     config = load(args.config)
     changes: dict[str, Any] = {}
-    if getattr(args, "seeds", None):
+    if isinstance(getattr(args, "seeds", None), list):  # `run --seeds S...` (baseline's --seeds is a count)
         changes["seeds"] = tuple(args.seeds)
     if getattr(args, "steps", None) is not None:
         changes["steps"] = args.steps

@@ -64,6 +64,12 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from .runs._demo import main_demo
+
+    return main_demo(store=args.store or "lowprec-runs/runs.db", out=args.out, steps=args.steps, quiet=args.quiet)
+
+
+def cmd_quant_demo(args: argparse.Namespace) -> int:
     from ._demo import run_demo
 
     run_demo(seed=args.seed)
@@ -83,12 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--show", metavar="NAME", help="print one recipe in full")
     r.add_argument("--format", choices=("toml", "json"), default="toml", help="format for --show (default toml)")
     r.set_defaults(func=cmd_recipes)
-    d = sub.add_parser("demo", help="quantize a tensor with every named spec and print the error")
-    d.add_argument("--seed", type=int, default=0, help="seed for the demo tensor (default 0)")
+    d = sub.add_parser("demo", help="accuracy demo: low-precision recipes judged against an fp32 baseline")
+    d.add_argument("--store", metavar="PATH", help="run store (default lowprec-runs/runs.db)")
+    d.add_argument("--out", default="lowprec-runs/demo-report.html", help="HTML report path")
+    d.add_argument("--steps", type=int, help="override the task's default number of steps")
+    d.add_argument("--quiet", action="store_true", help="no progress bars")
     d.set_defaults(func=cmd_demo)
-    from . import _cli_runs
+    q = sub.add_parser("quant-demo", help="quantize a tensor with every named spec and print the error")
+    q.add_argument("--seed", type=int, default=0, help="seed for the demo tensor (default 0)")
+    q.set_defaults(func=cmd_quant_demo)
+    from . import _cli_accuracy, _cli_runs
 
     _cli_runs.add_parsers(sub)
+    _cli_accuracy.add_parsers(sub)
     return p
 
 

@@ -106,6 +106,14 @@ def fp8_tensorwise() -> Recipe:
     )
 
 
+def fp8_unscaled() -> Recipe:
+    """Negative control: e4m3 input and weight, e5m2 grad_output cast with NO scaling (values beyond the format
+    saturate, small gradients flush to zero).  Known bad: used to show that the accuracy judge catches it."""
+    x = QuantSpec(elem="float8_e4m3fn", scaling="none", saturate=True)
+    g = QuantSpec(elem="float8_e5m2", scaling="none", saturate=True)
+    return Recipe(name="fp8-unscaled", linear=_linear(x, x, g), keep_high_precision=_KEEP)
+
+
 def fp8_delayed() -> Recipe:
     """HYBRID fp8 with delayed scaling: scales from the max of a 16-step amax history (TransformerEngine style)."""
     lin = _linear("fp8_e4m3_tensorwise", "fp8_e4m3_tensorwise", "fp8_e5m2_tensorwise", scaling=_DELAYED)
@@ -191,6 +199,7 @@ _RECIPES: dict[str, Callable[[], Recipe]] = {
     "fp16-dynamic-loss-scale": fp16_dynamic_loss_scale,
     "fp8-tensorwise": fp8_tensorwise,
     "fp8-delayed": fp8_delayed,
+    "fp8-unscaled": fp8_unscaled,
     "fp8-rowwise": fp8_rowwise,
     "fp8-blockwise": fp8_blockwise,
     "mxfp8": mxfp8,

@@ -14,13 +14,14 @@ import datetime
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._baseline import LOSS_KEY, Baseline, RunData, atomic_write_text, final_value, identity_config
+from ._atomic import atomic_write_text
+from ._baseline import LOSS_KEY, Baseline, RunData, final_value, identity_config
 from ._judge import Verdict, candidate_mean_curve, curve_band
 from ._stats import smooth
 from ._svg import PALETTE, Band, Line, esc, line_chart, strip_chart
@@ -141,6 +142,19 @@ def _metrics_section(b: Baseline, runs: list[RunData]) -> str:
     return _table(head, rows, classes) + '<div class="charts">' + "\n".join(charts) + "</div>"
 
 
+def _verdicts_section(verdicts: list[Verdict], runs: list[RunData]) -> str:
+    """One verdict table per judged group, headed by the group's name and its PASS/FAIL."""
+    names = {r.run_id: (r.group or r.name) for r in runs}
+    out = []
+    for v in verdicts:
+        label = ", ".join(dict.fromkeys(names.get(c, c) for c in v.candidates))
+        cls, word = ("pass", "PASS") if v.passed else ("fail", "FAIL")
+        out.append(f'<h3><span class="{cls}">{word}</span> {esc(label)} '
+                   f'<span class="muted">({len(v.candidates)} run(s))</span></h3>')
+        out.append(_verdict_section(v))
+    return "\n".join(out)
+
+
 def _verdict_section(v: Verdict) -> str:
     rows, classes = [], []
     for r in v.results:
@@ -165,14 +179,19 @@ def _diff_section(b: Baseline, runs: list[RunData]) -> str:
     return "\n".join(out)
 
 
-def write_report(path: str | os.PathLike, *, baseline: Baseline, runs: list[RunData], verdict: Verdict | None,
-                 title: str = "lowprec accuracy report") -> Path:
-    """Write the HTML report atomically to ``path`` (directories created) and return the path."""
+def write_report(path: str | os.PathLike, *, baseline: Baseline, runs: list[RunData],
+                 verdict: Verdict | Sequence[Verdict] | None, title: str = "lowprec accuracy report") -> Path:
+    """Write the HTML report atomically to ``path`` (directories created) and return the path.
+
+    ``verdict``: one verdict, one per judged group (e.g. per recipe), or None (curves and metrics only)."""
     b = baseline
-    if verdict is None:
+    verdicts = [] if verdict is None else [verdict] if isinstance(verdict, Verdict) else list(verdict)
+    if not verdicts:
         headline = '<span class="headline muted">not judged</span>'
     else:
-        cls, word = ("pass", "PASS") if verdict.passed else ("fail", "FAIL")
+        passed = sum(v.passed for v in verdicts)
+        cls, word = ("pass", "PASS") if passed == len(verdicts) else ("fail", "FAIL")
+        word = word if len(verdicts) == 1 else f"{word}: {passed} of {len(verdicts)} groups pass"
         headline = f'<span class="headline {cls}">{word}</span>'
     ident = _table(["baseline", "model", "data hash", "steps", "seeds", "config digest"], [[
         esc(b.name), esc(b.model), f"<code>{esc(b.data_hash)}</code>", esc(b.steps),
@@ -185,8 +204,8 @@ def write_report(path: str | os.PathLike, *, baseline: Baseline, runs: list[RunD
         "<h2>Training loss</h2>", _loss_chart(b, runs),
         "<h2>Final eval metrics</h2>", _metrics_section(b, runs),
     ]
-    if verdict is not None:
-        parts += ["<h2>Verdict</h2>", _verdict_section(verdict)]
+    if verdicts:
+        parts += ["<h2>Verdict</h2>", _verdicts_section(verdicts, runs)]
     parts += ["<h2>Differences from the baseline</h2>", _diff_section(b, runs),
               "<h2>Acceptance criteria</h2>",
               _table(["criterion", "value"], [[esc(k), f"<code>{esc(json.dumps(v))}</code>"]

@@ -1,0 +1,145 @@
+"""CLI commands for accuracy baselining: ``baseline``, ``baselines``, ``compare``, ``report``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from ._cli_runs import add_store_arg, config_with_overrides, open_store, store_path
+
+
+def _criteria(path: str | None) -> Any:
+    from .runs._stats import Criteria
+
+    if path is None:
+        return None
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except FileNotFoundError:
+        raise ValueError(f"criteria file {path!r} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"cannot read criteria file {path!r}: {e}") from None
+    try:
+        return Criteria.from_dict(data.get("criteria", data) if isinstance(data, dict) else data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def cmd_baseline(args: argparse.Namespace) -> int:
+    from .runs._workflow import run_baseline
+
+    config = config_with_overrides(args)
+    criteria = _criteria(args.criteria)
+    with open_store(config.store) as store:
+        b = run_baseline(config, name=args.name, store=store, seeds=args.seeds, criteria=criteria,
+                         overwrite=args.overwrite, progress=not args.quiet)
+    print(f"baseline {b.name!r}: {b.model}, {len(b.seeds)} seeds {list(b.seeds)}, {b.steps} steps")
+    for metric, values in b.finals.items():
+        print(f"  final {metric:<12} mean {values.mean():.6g}  std {values.std(ddof=1):.3g}  "
+              f"min {values.min():.6g}  max {values.max():.6g}")
+    if args.export:
+        print(f"wrote {b.save_json(args.export)}")
+    return 0
+
+
+def cmd_baselines(args: argparse.Namespace) -> int:
+    from .runs._baseline import Baseline
+
+    with open_store(store_path(args)) as store:
+        if args.action == "list":
+            names = store.list_baselines()
+            for name in names:
+                b = Baseline.from_dict(store.get_baseline(name))
+                print(f"{name:<30} {b.model:<22} {len(b.seeds)} seeds  {b.steps} steps  data {b.data_hash[:12]}")
+            if not names:
+                print("no baselines")
+        elif args.action == "export":
+            b = Baseline.from_dict(store.get_baseline(args.name))
+            print(f"wrote {b.save_json(args.file)}")
+        else:  # import
+            b = Baseline.load_json(args.file)
+            name = args.name or b.name
+            if name != b.name:
+                b = Baseline.from_dict({**b.to_dict(), "name": name})
+            store.save_baseline(name, b.to_dict(), overwrite=args.overwrite)
+            print(f"imported baseline {name!r} from {args.file}")
+    return 0
+
+
+def _judged(args: argparse.Namespace) -> tuple[Any, list[Any], list[Any]]:
+    from .runs._workflow import judge_groups, load_baseline, select_runs
+
+    with open_store(store_path(args)) as store:
+        baseline = load_baseline(store, args.baseline)
+        runs = select_runs(store, args.runs)
+    return baseline, runs, judge_groups(baseline, runs)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    _, _, verdicts = _judged(args)
+    if args.json:
+        print(json.dumps([v.to_dict() for v in verdicts], indent=2))
+    else:
+        print("\n\n".join(v.format_table() for v in verdicts))
+    return 0 if all(v.passed for v in verdicts) else 1
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .runs._report import write_report
+
+    baseline, runs, verdicts = _judged(args)
+    path = write_report(args.out, baseline=baseline, runs=runs, verdict=verdicts)
+    print(f"wrote {path} ({'PASS' if all(v.passed for v in verdicts) else 'FAIL'}); open it in a browser")
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    b = sub.add_parser("baseline", help="run a config over N seeds and store a named baseline")
+    b.add_argument("config", metavar="CONFIG.toml")
+    b.add_argument("--name", required=True, help="name of the baseline")
+    b.add_argument("--seeds", type=int, default=3, metavar="N", help="number of seeds, 0..N-1 (default 3)")
+    b.add_argument("--steps", type=int, help="override the config's steps")
+    b.add_argument("--recipe", metavar="NAME", help="reference recipe (default: the config's, else fp32)")
+    b.add_argument("--criteria", metavar="FILE", help="acceptance criteria (TOML or JSON table; docs/accuracy.md)")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing baseline of that name")
+    b.add_argument("--export", metavar="FILE.json", help="also write the baseline as a JSON golden file")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_store_arg(b)
+    b.set_defaults(func=cmd_baseline)
+
+    bl = sub.add_parser("baselines", help="list, export or import baselines (JSON golden files)")
+    bs = bl.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = bs.add_parser("list", help="the stored baselines")
+    add_store_arg(p)
+    p.set_defaults(func=cmd_baselines)
+    p = bs.add_parser("export", help="write a stored baseline to a JSON file")
+    p.add_argument("name")
+    p.add_argument("file", metavar="FILE.json")
+    add_store_arg(p)
+    p.set_defaults(func=cmd_baselines)
+    p = bs.add_parser("import", help="store a baseline read from a JSON file")
+    p.add_argument("file", metavar="FILE.json")
+    p.add_argument("--name", help="store it under this name (default: the file's)")
+    p.add_argument("--overwrite", action="store_true")
+    add_store_arg(p)
+    p.set_defaults(func=cmd_baselines)
+
+    for cmd, helptext in (("compare", "judge runs against a baseline: PASS (exit 0) or FAIL (exit 1), with reasons"),
+                          ("report", "write a self-contained HTML report of runs against a baseline")):
+        c = sub.add_parser(cmd, help=helptext)
+        c.add_argument("--baseline", required=True, metavar="NAME|FILE.json",
+                       help="a stored baseline's name or a baseline JSON file")
+        c.add_argument("runs", nargs="+", metavar="RUN_OR_GROUP",
+                       help="run ids (or unique prefixes) or group names; each group is judged on its own")
+        add_store_arg(c)
+        if cmd == "compare":
+            c.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+            c.set_defaults(func=cmd_compare)
+        else:
+            c.add_argument("--out", default="lowprec-report.html", help="output HTML file")
+            c.set_defaults(func=cmd_report)
