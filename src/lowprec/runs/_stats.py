@@ -183,7 +183,7 @@ class Criteria:
     """Trailing moving-average width (steps) applied to ``train/loss`` before the envelope and the curve check."""
     warmup_fraction: float = 0.1
     """The first ``ceil(warmup_fraction * steps)`` steps are not curve-checked (fast early drop, short windows)."""
-    curve_k: float = 4.0
+    curve_k: float = 5.0
     """Band half-width in pooled standard deviations of the difference of two means: ``k s sqrt(1/N + 1/M)``."""
     curve_rtol: float = 0.005
     """Floor of the band half-width, relative to the baseline mean loss (covers N = 2 and zero variance)."""
