@@ -21,3 +21,16 @@ def test_recipes_page_is_current_and_its_examples_run() -> None:
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_runs_page_config_example_is_valid() -> None:
+    """Oracle: RunConfig.from_toml, the same parser `lowprec run` uses, accepts the documented example as is."""
+    import re
+
+    from lowprec import recipes
+    from lowprec.runs._config import RunConfig
+
+    text = (ROOT / "docs" / "runs.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
+    cfg = RunConfig.from_toml(block, where="docs/runs.md")
+    assert cfg.recipe == recipes.get("fp8-tensorwise") and cfg.seeds == (0, 1, 2) and cfg.checkpoint.interval == 100
