@@ -126,3 +126,22 @@ def test_demo_runs_judges_reports_and_reuses_the_baseline(tmp_path: Path, capsys
         # a second demo reuses the baseline built from the same config, and not one from another config
         assert _reusable(s, name, demo_config(store, steps=STEPS)) is not None
         assert _reusable(s, name, demo_config(store, steps=STEPS + 1)) is None
+
+
+def test_runs_list_show_export(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Oracle: the store's own values (CSV cells and JSON scalars read back equal the stored floats)."""
+    store = str(workdir / "runs.db")
+    rc, out, _ = _main(capsys, "runs", "list", "--group", "lr-cut", "--store", store)
+    assert rc == 0 and len(out.splitlines()) == 3 and "lr-cut seed 11" in out
+    rid = out.splitlines()[1].split()[0]
+    rc, out, _ = _main(capsys, "runs", "show", rid[:6], "--store", store)
+    assert rc == 0 and f"run {rid}" in out and "sha256" in out and "train/loss" in out
+    with RunStore(store) as s:
+        steps, loss = s.scalars(rid)["train/loss"]
+    rc, _, _ = _main(capsys, "runs", "export", rid, "--format", "csv", "--out", str(workdir / "r.csv"), "--store",
+                     store)
+    rows = (workdir / "r.csv").read_text().splitlines()
+    col = rows[0].split(",").index("train/loss")
+    assert rc == 0 and [float(r.split(",")[col]) for r in rows[1:]] == loss.tolist()
+    rc, out, _ = _main(capsys, "runs", "export", rid, "--format", "json", "--store", store)
+    assert rc == 0 and json.loads(out)["run_id"] == rid
