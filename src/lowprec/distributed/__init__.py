@@ -1,0 +1,1 @@
+"""Distributed low-precision training: DDP communication hooks, FSDP2 integration, launching."""
