@@ -50,9 +50,11 @@ def config_with_overrides(args: argparse.Namespace) -> RunConfig:
 def cmd_run(args: argparse.Namespace) -> int:
     from .runs._runner import resume_run, run_config
 
+    if args.world_size is not None and not args.resume:
+        raise ValueError("--world-size goes with --resume; for a new run set parallel.world_size in the config")
     if args.resume:
         with open_store(store_path(args)) as store:
-            run_id = resume_run(args.resume, store=store, progress=not args.quiet)
+            run_id = resume_run(args.resume, store=store, progress=not args.quiet, world_size=args.world_size)
             print(f"resumed run {run_id}: {store.get_run(run_id).status}")
         return 0
     if not args.config:
@@ -147,6 +149,8 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--steps", type=int, help="override the config's steps")
     r.add_argument("--recipe", metavar="NAME", help="override the config's recipe with a named one")
     r.add_argument("--resume", metavar="RUN_ID", help="continue a stored run from its newest checkpoint")
+    r.add_argument("--world-size", type=int, metavar="N",
+                   help="with --resume: continue on N data-parallel processes (1 = a single process)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     add_store_arg(r)
     r.set_defaults(func=cmd_run)

@@ -116,6 +116,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"lowprec: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from .runs._launch import RunFailed
+
+        if not isinstance(e, RunFailed):
+            raise
+        print(f"lowprec: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("lowprec: interrupted", file=sys.stderr)
         return 130

@@ -39,7 +39,8 @@ from ..recipes import Recipe
 DEFAULT_STORE = "lowprec-runs/runs.db"
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine", "linear")
-STRATEGIES = ("single",)
+STRATEGIES = ("single", "ddp")
+BACKENDS = ("auto", "gloo", "nccl")
 FRAMEWORKS = ("torch",)
 
 
@@ -127,14 +128,26 @@ class ScheduleConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Parallel layout.  Only single-process runs exist so far."""
+    """Parallel layout: one process, or data parallel over ``world_size`` torchrun processes."""
 
     strategy: str = "single"
+    """"single" or "ddp" (DistributedDataParallel; each rank trains on its 1/world_size of every batch)."""
     world_size: int = 1
+    """Processes on this node (``lowprec run`` launches torchrun with this many)."""
+    backend: str = "auto"
+    """"auto" (NCCL with CUDA, else gloo), "gloo" or "nccl"."""
+    max_restarts: int = 0
+    """torchrun elastic restarts: a failed worker group restarts from the newest checkpoint."""
+    master_port: int | None = None
+    """Rendezvous port on 127.0.0.1 (default: a free one)."""
 
     def __post_init__(self) -> None:
         _check_choice(self.strategy, "parallel.strategy", STRATEGIES)
-        _check_int(self.world_size, "parallel.world_size", 1, 1)
+        _check_int(self.world_size, "parallel.world_size", 1, 1 if self.strategy == "single" else 1024)
+        _check_choice(self.backend, "parallel.backend", BACKENDS)
+        _check_int(self.max_restarts, "parallel.max_restarts", 0, 100)
+        if self.master_port is not None:
+            _check_int(self.master_port, "parallel.master_port", 1024, 65535)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -215,7 +228,8 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        return self.name or f"{self.model} {self.recipe.name}"
+        layout = "" if self.parallel.strategy == "single" else f" {self.parallel.strategy}x{self.parallel.world_size}"
+        return self.name or f"{self.model} {self.recipe.name}{layout}"
 
     def for_seed(self, seed: int) -> RunConfig:
         """The config of the single run with ``seed``."""

@@ -24,6 +24,7 @@ from ..optim import LowPrecisionOptimizer
 from ._checkpoint import checkpoint_dir, latest_valid, list_checkpoints, save_checkpoint
 from ._config import RunConfig
 from ._manifest import build_manifest
+from ._parallel import World, unwrap
 from ._progress import Progress
 from ._store import RunStore
 from .zoo import Task, get_task
@@ -63,37 +64,47 @@ def _grad_norm_and_clip(params: list[torch.Tensor], scale: float, clip: float | 
 @dataclasses.dataclass
 class _State:
     model: torch.nn.Module
+    """The module as trained (DistributedDataParallel under "ddp")."""
     optimizer: LowPrecisionOptimizer
+    world: World
     step: int = 0
 
 
 def _checkpoint(config: RunConfig, run_id: str, st: _State) -> None:
+    """Rank 0 saves the full state (DDP replicas are identical), so a run resumes on any world size."""
+    if not st.world.is_main:
+        return
     state = {
         "run_id": run_id,
         "step": st.step,
-        "model": st.model.state_dict(),
+        "model": unwrap(st.model).state_dict(),
         "optimizer": st.optimizer.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "config": config.to_dict(),
+        "world_size": st.world.size,
     }
     save_checkpoint(checkpoint_dir(config.store, run_id), st.step, state, keep=config.checkpoint.keep)
 
 
 def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore) -> None:
     directory = checkpoint_dir(config.store, run_id)
-    if not list_checkpoints(directory):  # stopped before its first checkpoint: start it again
-        store.reopen_run(run_id, from_step=0)
-        return
-    step, state, problems = latest_valid(directory)
-    for p in problems:
-        print(f"lowprec: warning: skipping {p}")
-    if state.get("run_id") != run_id:
-        raise ValueError(f"checkpoint of step {step} belongs to run {state.get('run_id')!r}, not {run_id!r}")
-    st.model.load_state_dict(state["model"])
-    st.optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
-    st.step = int(state["step"])
-    store.reopen_run(run_id, from_step=st.step)
+    step, state = 0, None
+    if list_checkpoints(directory):  # else: stopped before its first checkpoint, start it again
+        step, state, problems = latest_valid(directory)
+        for p in problems if st.world.is_main else []:
+            print(f"lowprec: warning: skipping {p}")
+    if state is not None:
+        if state.get("run_id") != run_id:
+            raise ValueError(f"checkpoint of step {step} belongs to run {state.get('run_id')!r}, not {run_id!r}")
+        unwrap(st.model).load_state_dict(state["model"])
+        st.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        st.step = int(state["step"])
+    if st.world.is_main:
+        store.reopen_run(run_id, from_step=st.step)
+        store.add_event(run_id, step=st.step, kind="resumed",
+                        payload={"from_step": st.step, "world_size": st.world.size,
+                                 "checkpoint_world_size": (state or {}).get("world_size")})
 
 
 def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
@@ -108,79 +119,129 @@ def _train_step(task: Task, st: _State, config: RunConfig, lr: float) -> dict[st
     t0 = time.perf_counter()
     for group in st.optimizer.param_groups:
         group["lr"] = lr
-    inputs, targets = task.train_batch(st.step)
+    inputs, targets = st.world.shard(task.train_batch(st.step))
     loss = task.loss_fn(st.model(inputs), targets)
     st.optimizer.zero_grad()
     st.optimizer.scale_loss(loss).backward()
     params = [p for g in st.optimizer.param_groups for p in g["params"]]
     norm = _grad_norm_and_clip(params, st.optimizer.scaler.scale, config.optimizer.grad_clip)
     st.optimizer.step()
+    global_loss = st.world.mean(loss)
     dt = time.perf_counter() - t0
-    return {"train/loss": float(loss.detach()), "train/grad_norm": norm, "train/lr": lr, "train/step_time_s": dt,
+    return {"train/loss": global_loss, "train/grad_norm": norm, "train/lr": lr, "train/step_time_s": dt,
             "train/samples_per_s": task.samples_per_step / dt}
 
 
 def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: str, progress: Progress) -> None:
     steps, every = config.steps or 0, config.eval_interval or 1
-    interval = config.checkpoint.interval
+    interval, main = config.checkpoint.interval, st.world.is_main
     while st.step < steps:
         values = _train_step(task, st, config, config.schedule.lr_at(st.step, lr=config.optimizer.lr or 0.0,
                                                                      steps=steps))
         st.step += 1
         diverged = not math.isfinite(values["train/loss"])
         if st.step % every == 0 or st.step == steps or diverged:
-            values.update(_evaluate(task, st.model))
-        store.log_scalars(run_id, st.step, values)
-        progress.update(st.step, loss=values["train/loss"])
+            values.update(_evaluate(task, unwrap(st.model)))
+        if main:
+            store.log_scalars(run_id, st.step, values)
+            progress.update(st.step, loss=values["train/loss"])
         if diverged:
-            store.add_event(run_id, step=st.step, kind="diverged",
-                            payload={"loss": repr(values["train/loss"]), "grad_norm": repr(values["train/grad_norm"])})
+            if main:
+                store.add_event(run_id, step=st.step, kind="diverged",
+                                payload={"loss": repr(values["train/loss"]),
+                                         "grad_norm": repr(values["train/grad_norm"])})
             break
         if interval and st.step % interval == 0 and st.step < steps:
             _checkpoint(config, run_id, st)
     _checkpoint(config, run_id, st)
 
 
-def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None = None,
-          progress: bool = True) -> str:
-    """Train ``config`` with ``seed`` (or continue run ``resume`` from its last checkpoint); returns the run id."""
+def _open_run(config: RunConfig, task: Task, st: _State, store: RunStore, *, seed: int, resume: str | None,
+              run_id: str | None) -> str:
+    """Create the run (rank 0), or continue it from its newest checkpoint when resuming or when a restarted
+    torchrun worker group finds its run already in the store.  Every rank returns the same run id."""
+    w = st.world
+    if resume is not None:
+        rid, create = (store.get_run(resume).run_id if w.is_main else None), False
+    else:
+        exists = w.is_main and run_id is not None and any(r.run_id == run_id for r in store.list_runs())
+        rid, create = run_id, not exists
+    rid, create = w.broadcast((rid, create))
+    if create and w.is_main:
+        manifest = build_manifest(seed=seed, recipe_hash=config.recipe.hash(), data_hash=task.data_hash,
+                                  data_source=task.data_source, metrics=task.metrics)
+        manifest["world_size"] = w.size
+        rid = store.create_run(name=f"{config.label} seed {seed}", config=config.to_dict(), manifest=manifest,
+                               group=config.group or config.label, run_id=rid)
+    rid = w.broadcast(rid)
+    if not create:
+        _restore(config, rid, st, store)
+    w.barrier()
+    return str(rid)
+
+
+def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None = None, progress: bool = True,
+          world: World | None = None, run_id: str | None = None) -> str:
+    """Train ``config`` with ``seed`` (or continue run ``resume`` from its last checkpoint); returns the run id.
+
+    Under torchrun pass the ``world`` from ``init_world``: rank 0 records, every rank trains its batch shard.
+    ``run_id`` names the run to create, or to continue when it already exists (elastic restarts)."""
+    world = world or World()
     if config.threads:
         torch.set_num_threads(config.threads)
     task = build_task(config, seed)
     config = config.for_seed(seed).resolve({**task.defaults, "batch_size": task.samples_per_step})
     model = convert(task.model, config.recipe)
-    st = _State(model=model, optimizer=make_optimizer(config, model))
-    name = f"{config.label} seed {seed}"
-    if resume is None:
-        manifest = build_manifest(seed=seed, recipe_hash=config.recipe.hash(), data_hash=task.data_hash,
-                                  data_source=task.data_source, metrics=task.metrics)
-        run_id = store.create_run(name=name, config=config.to_dict(), manifest=manifest,
-                                  group=config.group or config.label)
-    else:
-        run_id = store.get_run(resume).run_id
-        _restore(config, run_id, st, store)
-    bar = Progress(name, config.steps or 0, start=st.step, enabled=progress)
+    st = _State(model=world.wrap(model), optimizer=make_optimizer(config, model), world=world)
+    rid = _open_run(config, task, st, store, seed=seed, resume=resume, run_id=run_id)
+    bar = Progress(f"{config.label} seed {seed}", config.steps or 0, start=st.step,
+                   enabled=progress and world.is_main)
     try:
-        _loop(task, st, config, store, run_id, bar)
+        _loop(task, st, config, store, rid, bar)
     except BaseException as e:
         reason = "interrupted (KeyboardInterrupt)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
-        store.finish_run(run_id, status="failed", error=reason)
+        if world.is_main:
+            store.finish_run(rid, status="failed", error=reason)
+        else:
+            store.add_event(rid, step=st.step, kind="rank_failure", payload={"rank": world.rank, "error": reason})
         raise
     finally:
         bar.close()
-    store.finish_run(run_id, status="completed")
-    return run_id
+    world.barrier()
+    if world.is_main:
+        store.finish_run(rid, status="completed")
+    return rid
 
 
 def run_config(config: RunConfig, *, store: RunStore, progress: bool = True) -> list[str]:
-    """Train every seed of ``config`` in turn; returns the run ids."""
-    return [train(config, seed=s, store=store, progress=progress) for s in config.seeds]
+    """Train every seed of ``config`` in turn (on torchrun workers for a data-parallel layout); returns the run
+    ids."""
+    if config.parallel.strategy == "single":
+        return [train(config, seed=s, store=store, progress=progress) for s in config.seeds]
+    from ._launch import launch
+
+    ids = []
+    for s in config.seeds:
+        task = build_task(config, s)
+        resolved = config.for_seed(s).resolve({**task.defaults, "batch_size": task.samples_per_step})
+        ids.append(launch(resolved, seed=s, batch_size=task.samples_per_step, store=store, quiet=not progress))
+    return ids
 
 
-def resume_run(run_id: str, *, store: RunStore, progress: bool = True) -> str:
-    """Continue a stored run from its newest valid checkpoint, with the config it was started with."""
+def resume_run(run_id: str, *, store: RunStore, progress: bool = True, world_size: int | None = None) -> str:
+    """Continue a stored run from its newest valid checkpoint, with the config it was started with (optionally
+    on another number of data-parallel processes: checkpoints hold the full state, so 2 -> 1 and 1 -> 2 work)."""
     record = store.get_run(run_id)
     config = RunConfig.from_dict(record.config, where=f"run {record.run_id}'s stored config")
-    return train(config, seed=int(record.manifest["seed"]), store=store, resume=record.run_id,
-                 progress=progress)
+    if world_size is not None:
+        layout = {"strategy": "single" if world_size == 1 else "ddp", "world_size": world_size}
+        config = RunConfig.from_dict({**config.to_dict(), "parallel": {**config.to_dict()["parallel"], **layout}},
+                                     where="--world-size")
+    seed = int(record.manifest["seed"])
+    if config.parallel.strategy != "single":
+        from ._launch import launch
+
+        return launch(config, seed=seed, batch_size=config.batch_size or 1, store=store, resume=record.run_id,
+                      quiet=not progress)
+    return train(config, seed=seed, store=store, resume=record.run_id, progress=progress)
 
