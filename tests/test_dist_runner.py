@@ -65,7 +65,9 @@ def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
             one = _cfg(tmp, r, ddp=False, model="_faulty_tasks:duplicated", model_options={"copies": 1},
                        batch_size=32)
             (ids[f"single/{r}"],) = run_config(one, store=store, progress=False)
-        (ids["ddp/plain"],) = [x.run_id for x in store.list_runs(group="plain/fp32")]
+        for group in ("plain/fp32", "plain/fp8-delayed", "fsdp2/fp32", "fsdp2/fp8-delayed"):
+            (ids[group],) = [x.run_id for x in store.list_runs(group=group)]
+        ids["ddp/plain"] = ids["plain/fp32"]
         (ids["single/plain"],) = run_config(_cfg(tmp, ddp=False), store=store, progress=False)
     return tmp, ids
 
@@ -90,6 +92,44 @@ def test_ddp_split_batch_within_reduction_order_tolerance(ddp_runs: tuple[Path, 
         d, s = _loss(store, ids["ddp/plain"]), _loss(store, ids["single/plain"])
     rel = float(np.max(np.abs(d - s) / np.abs(s)))
     assert 0 < rel <= TOLERANCES["ddp_vs_single_loss_rel"].value, rel  # 0 would mean the batch was not split
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "fp8-delayed"])
+def test_fsdp2_equals_ddp(ddp_runs: tuple[Path, dict[str, str]], recipe: str) -> None:
+    """FSDP2's reduce-scatter and DDP's all-reduce do the same float operations on 2 ranks, AdamW is
+    elementwise, and amax histories are MAX-reduced in both: the curves are equal bit for bit."""
+    tmp, ids = ddp_runs
+    with RunStore(tmp / "runs.db") as store:
+        d, f = _loss(store, ids[f"plain/{recipe}"]), _loss(store, ids[f"fsdp2/{recipe}"])
+        gathered = store.scalars(ids[f"fsdp2/{recipe}"])["comm/bytes_sent"][1]
+        sent = store.scalars(ids[f"plain/{recipe}"])["comm/bytes_sent"][1]
+    assert np.array_equal(d, f)
+    params = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
+    assert (sent == 2 * (2 - 1) / 2 * 4 * params).all()  # ring all-reduce of float32 gradients
+    assert (gathered > 0).all()
+
+
+def test_compressed_gradients_judged_against_uncompressed(ddp_runs: tuple[Path, dict[str, str]]) -> None:
+    """bf16 and fp8-with-error-feedback gradient communication pass the judge against a one-process fp32 baseline
+    of the same model; fp8 sends about 4x fewer bytes.  (fp8 without error feedback: its verdict is reported in
+    docs/distributed.md, not asserted.)"""
+    from lowprec.runs._baseline import RunData, build_baseline
+    from lowprec.runs._judge import judge
+
+    tmp, _ = ddp_runs
+    cfg = _cfg(tmp, ddp=False, steps=120, eval_interval=30, seeds=(0, 1, 2), group="comm-baseline",
+               checkpoint=CheckpointConfig())
+    with RunStore(tmp / "runs.db") as store:
+        base = build_baseline("fp32", [RunData.from_store(store, i) for i in run_config(cfg, store=store,
+                                                                                         progress=False)])
+        runs = {g: [RunData.from_store(store, r.run_id) for r in store.list_runs(group=f"comm/{g}")]
+                for g in ("bf16", "fp8", "fp8-ef")}
+    for g in ("bf16", "fp8-ef"):
+        v = judge(base, runs[g])
+        assert v.passed, v.format_table()
+    fp32_bytes = 4 * (64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10)
+    fp8_bytes = runs["fp8"][0].scalars["comm/bytes_sent"][1]
+    assert (fp32_bytes / fp8_bytes >= 3.9).all()
 
 
 def test_failed_rank_recorded_then_resumed_on_one_process(tmp_path: Path,

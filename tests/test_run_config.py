@@ -75,7 +75,7 @@ def test_resolve_fills_only_missing_fields() -> None:
         ("model = 'm'\n[optimizer]\nlr = nan\n", ["optimizer.lr"]),
         ("model = 'm'\n[optimizer]\nmomentun = 0.9\n", ["optimizer: unknown key(s) ['momentun']", "momentum"]),
         ("model = 'm'\n[schedule]\nname = 'step'\n", ["schedule.name must be one of", "cosine"]),
-        ("model = 'm'\n[parallel]\nstrategy = 'pp'\n", ["parallel.strategy must be one of 'single', 'ddp'"]),
+        ("model = 'm'\n[parallel]\nstrategy = 'pp'\n", ["parallel.strategy must be one of 'single', 'ddp', 'fsdp2'"]),
         ("model = 'm'\n[parallel]\nworld_size = 2\n", ["parallel.world_size must be an integer in [1, 1]"]),
         ("model = 'm'\n[parallel]\nstrategy = 'ddp'\nbackend = 'mpi'\n", ["parallel.backend", "'gloo'"]),
         ("model = 'm'\n[parallel]\nstrategy = 'ddp'\nmaster_port = 80\n", ["parallel.master_port"]),

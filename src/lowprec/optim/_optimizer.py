@@ -133,7 +133,10 @@ class LowPrecisionOptimizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Inverse of ``state_dict``; ``state["optimizer"]`` None leaves the wrapped optimizer's state alone (for
+        callers that load it themselves, e.g. FSDP2's ``set_optimizer_state_dict``)."""
+        if state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         self.steps = int(state["steps"])
         for i, c in state["compensation"].items():

@@ -5,6 +5,7 @@ from ._named import get as get
 from ._named import names as names
 from ._recipe import Accumulator as Accumulator
 from ._recipe import Gemm as Gemm
+from ._recipe import GradComm as GradComm
 from ._recipe import LinearRecipe as LinearRecipe
 from ._recipe import LossScaling as LossScaling
 from ._recipe import Operand as Operand
@@ -17,6 +18,7 @@ __all__ = [
     "PROFILES",
     "Accumulator",
     "Gemm",
+    "GradComm",
     "LinearRecipe",
     "LossScaling",
     "Operand",

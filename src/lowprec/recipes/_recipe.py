@@ -195,6 +195,27 @@ class OptimizerState:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class GradComm:
+    """How data-parallel gradients travel between ranks (``lowprec.distributed.compress_hook``)."""
+
+    spec: QuantSpec
+    """Wire format: e.g. bf16 (``{elem = "bfloat16"}``), fp8 with one shared scale per bucket
+    ("fp8_e4m3_tensorwise"), or an MX block format ("mxfp8_e4m3")."""
+    rounding: str | None = None
+    """"nearest" or "stochastic" (None: the spec's own rounding)."""
+    error_feedback: bool = False
+    """Add each rank's cast residual to its next gradient."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, QuantSpec):
+            raise ValueError(f"GradComm.spec must be a QuantSpec or a spec name; got {self.spec!r}")
+        if self.rounding is not None:
+            _choice(self.rounding, ("nearest", "stochastic"), "GradComm.rounding")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"GradComm.error_feedback must be true or false; got {self.error_feedback!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Everything about the numerics of a training run.  Plain data; see the module docstring."""
 
@@ -212,6 +233,8 @@ class Recipe:
     loss_scaling: LossScaling = LossScaling()
     seed: int = 0
     """Seed of the stochastic-rounding streams (weight updates, stochastic GEMM operands)."""
+    grad_comm: GradComm | None = None
+    """Data-parallel gradient communication format (None: float32 all-reduce)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -28,9 +28,10 @@ _NESTED: dict[tuple[type, str], type] = {
     (R.Recipe, "weights"): R.Weights,
     (R.Recipe, "optimizer"): R.OptimizerState,
     (R.Recipe, "loss_scaling"): R.LossScaling,
+    (R.Recipe, "grad_comm"): R.GradComm,
 }
 _SPEC_FIELDS = {(R.Operand, "spec"), (R.OptimizerState, "exp_avg"), (R.OptimizerState, "exp_avg_sq"),
-                (R.OptimizerState, "grad")}
+                (R.OptimizerState, "grad"), (R.GradComm, "spec")}
 
 
 def _to_plain(obj: Any) -> Any:

@@ -39,7 +39,7 @@ from ..recipes import Recipe
 DEFAULT_STORE = "lowprec-runs/runs.db"
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine", "linear")
-STRATEGIES = ("single", "ddp")
+STRATEGIES = ("single", "ddp", "fsdp2")
 BACKENDS = ("auto", "gloo", "nccl")
 FRAMEWORKS = ("torch",)
 
@@ -131,7 +131,8 @@ class ParallelConfig:
     """Parallel layout: one process, or data parallel over ``world_size`` torchrun processes."""
 
     strategy: str = "single"
-    """"single" or "ddp" (DistributedDataParallel; each rank trains on its 1/world_size of every batch)."""
+    """"single", "ddp" (DistributedDataParallel) or "fsdp2" (``fully_shard`` with the recipe's mixed-precision
+    policy); with ddp and fsdp2 each rank trains on its 1/world_size of every batch."""
     world_size: int = 1
     """Processes on this node (``lowprec run`` launches torchrun with this many)."""
     backend: str = "auto"

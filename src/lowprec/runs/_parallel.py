@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..recipes import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +76,48 @@ class World:
         if self.distributed:
             dist.barrier()
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model as trained: itself for one process, DistributedDataParallel for "ddp"."""
-        if self.strategy == "ddp" and self.distributed:
-            from torch.nn.parallel import DistributedDataParallel
 
-            return DistributedDataParallel(model)
-        return model
+
+@dataclasses.dataclass
+class Wrapped:
+    """The model as trained, and the per-step hooks its layout needs."""
+
+    model: torch.nn.Module
+    comm_bytes: Callable[[], int] | None = None
+    """Bytes this rank sent for gradients (DDP) or received in weight all-gathers (FSDP2) in the last step."""
+    after_backward: Callable[[], None] = lambda: None
+    """Called after every backward: MAX all-reduce of the delayed-scaling amax histories."""
+
+
+def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
+    """Single: the model itself.  "ddp": DistributedDataParallel (buffers not broadcast: amax histories are
+    MAX-reduced after each backward instead, so every rank scales with the global amax, as one process would),
+    with the recipe's gradient compression hook if it has one.  "fsdp2": ``shard_model`` (fully_shard with the
+    recipe's mixed-precision policy)."""
+    if world.strategy == "single" or not world.distributed:
+        return Wrapped(model)
+    from ..distributed import allgather_bytes, compress_hook, shard_model, sync_amax_histories
+    from ..distributed._compress import ring_allreduce_bytes
+
+    def sync() -> None:
+        sync_amax_histories(unwrap(wrapped))
+
+    if world.strategy == "fsdp2":
+        if recipe.weights.update != "master":
+            raise ValueError(f"parallel.strategy 'fsdp2' needs float32 master weights (Weights.update = 'master'); "
+                             f"recipe {recipe.name!r} stores weights with update {recipe.weights.update!r}: use 'ddp'")
+        wrapped = shard_model(model, recipe)
+        return Wrapped(wrapped, lambda: allgather_bytes(wrapped, reset=True), sync)
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(model, broadcast_buffers=False)
+    g = recipe.grad_comm
+    if g is None:
+        nbytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return Wrapped(wrapped, lambda: ring_allreduce_bytes(nbytes, world.size), sync)
+    state, hook = compress_hook(g.spec, rounding=g.rounding, seed=recipe.seed, error_feedback=g.error_feedback)
+    wrapped.register_comm_hook(state, hook)
+    return Wrapped(wrapped, lambda: state.bytes_sent, sync)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from ..optim import LowPrecisionOptimizer
 from ._checkpoint import checkpoint_dir, latest_valid, list_checkpoints, save_checkpoint
 from ._config import RunConfig
 from ._manifest import build_manifest
-from ._parallel import World, unwrap
+from ._parallel import World, Wrapped, unwrap, wrap_model
 from ._progress import Progress
 from ._store import RunStore
 from .zoo import Task, get_task
@@ -64,21 +65,57 @@ def _grad_norm_and_clip(params: list[torch.Tensor], scale: float, clip: float | 
 @dataclasses.dataclass
 class _State:
     model: torch.nn.Module
-    """The module as trained (DistributedDataParallel under "ddp")."""
+    """The module as trained (DistributedDataParallel under "ddp", fully sharded under "fsdp2")."""
     optimizer: LowPrecisionOptimizer
     world: World
+    wrapped: Wrapped
     step: int = 0
 
 
+def _full_state(st: _State) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model, optimizer) state with full, unsharded tensors (a collective under FSDP2: every rank calls it)."""
+    opt = st.optimizer.state_dict()
+    if st.world.strategy != "fsdp2":
+        return unwrap(st.model).state_dict(), opt
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    o = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    opt["optimizer"] = get_optimizer_state_dict(st.model, st.optimizer.optimizer, options=o)
+    return get_model_state_dict(st.model, options=o), opt
+
+
+def _load_full_state(st: _State, model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> None:
+    if st.world.strategy != "fsdp2":
+        unwrap(st.model).load_state_dict(model_sd)
+        st.optimizer.load_state_dict(opt_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    o = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(st.model, model_sd, options=o)
+    set_optimizer_state_dict(st.model, st.optimizer.optimizer, opt_sd["optimizer"], options=o)
+    st.optimizer.load_state_dict({**opt_sd, "optimizer": None})
+
+
 def _checkpoint(config: RunConfig, run_id: str, st: _State) -> None:
-    """Rank 0 saves the full state (DDP replicas are identical), so a run resumes on any world size."""
+    """Rank 0 saves the full, unsharded state (DDP replicas are identical; FSDP2 shards are gathered), so a run
+    resumes on any world size and layout."""
+    model_sd, opt_sd = _full_state(st)
     if not st.world.is_main:
         return
     state = {
         "run_id": run_id,
         "step": st.step,
-        "model": unwrap(st.model).state_dict(),
-        "optimizer": st.optimizer.state_dict(),
+        "model": model_sd,
+        "optimizer": opt_sd,
         "torch_rng": torch.get_rng_state(),
         "config": config.to_dict(),
         "world_size": st.world.size,
@@ -96,8 +133,7 @@ def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore) -> Non
     if state is not None:
         if state.get("run_id") != run_id:
             raise ValueError(f"checkpoint of step {step} belongs to run {state.get('run_id')!r}, not {run_id!r}")
-        unwrap(st.model).load_state_dict(state["model"])
-        st.optimizer.load_state_dict(state["optimizer"])
+        _load_full_state(st, state["model"], state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         st.step = int(state["step"])
     if st.world.is_main:
@@ -123,13 +159,17 @@ def _train_step(task: Task, st: _State, config: RunConfig, lr: float) -> dict[st
     loss = task.loss_fn(st.model(inputs), targets)
     st.optimizer.zero_grad()
     st.optimizer.scale_loss(loss).backward()
+    st.wrapped.after_backward()
     params = [p for g in st.optimizer.param_groups for p in g["params"]]
     norm = _grad_norm_and_clip(params, st.optimizer.scaler.scale, config.optimizer.grad_clip)
     st.optimizer.step()
     global_loss = st.world.mean(loss)
     dt = time.perf_counter() - t0
-    return {"train/loss": global_loss, "train/grad_norm": norm, "train/lr": lr, "train/step_time_s": dt,
-            "train/samples_per_s": task.samples_per_step / dt}
+    out = {"train/loss": global_loss, "train/grad_norm": norm, "train/lr": lr, "train/step_time_s": dt,
+           "train/samples_per_s": task.samples_per_step / dt}
+    if st.wrapped.comm_bytes is not None:
+        out["comm/bytes_sent"] = float(st.wrapped.comm_bytes())
+    return out
 
 
 def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: str, progress: Progress) -> None:
@@ -191,8 +231,8 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
         torch.set_num_threads(config.threads)
     task = build_task(config, seed)
     config = config.for_seed(seed).resolve({**task.defaults, "batch_size": task.samples_per_step})
-    model = convert(task.model, config.recipe)
-    st = _State(model=world.wrap(model), optimizer=make_optimizer(config, model), world=world)
+    wrapped = wrap_model(convert(task.model, config.recipe), config.recipe, world)
+    st = _State(model=wrapped.model, optimizer=make_optimizer(config, wrapped.model), world=world, wrapped=wrapped)
     rid = _open_run(config, task, st, store, seed=seed, resume=resume, run_id=run_id)
     bar = Progress(f"{config.label} seed {seed}", config.steps or 0, start=st.step,
                    enabled=progress and world.is_main)
