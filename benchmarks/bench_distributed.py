@@ -18,8 +18,8 @@ per rank, SGD; each rank gets its own batch.  Modes:
 timed steps after ``--warmup``; modes are timed interleaved (one step of each per round) so that load from other
 processes falls on all of them alike.  ``bytes_ratio_vs_fp32`` = fp32 bytes / mode bytes (fp8 must be >= 3.9).
 
-FSDP2 all-gather bytes are not measured yet: ``fsdp2_allgather_bytes`` below is the place for them (the JSON
-carries ``"fsdp2": null`` until then).
+``fsdp2`` reports FSDP2 weight all-gather bytes per step (``fsdp2_allgather_bytes``): float32 gathers vs fp8 and
+MXFP8 low-precision gathers of the same MLP.
 """
 
 from __future__ import annotations
@@ -49,14 +49,45 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def fsdp2_allgather_bytes(model: Any, world_size: int) -> dict[str, Any] | None:
-    """FSDP2 parameter all-gather bytes per step (fp32 vs low-precision all-gather): not implemented yet.
+def fsdp2_allgather_bytes(world_size: int, steps: int = 3) -> dict[str, Any]:
+    """FSDP2 weight all-gather bytes received per rank per step and step time, for the same MLP: float32 gathers
+    (fp8-tensorwise recipe, the GEMM quantizes) vs low-precision gathers of fp8 codes and MXFP8 codes + scales.
 
-    To be filled in with the FSDP2 integration: shard ``model`` with ``fully_shard``, run a step, and return
-    ``{"bytes_fp32": ..., "bytes_lowprec": ..., "ratio": ...}`` counted as in ``lowprec.distributed._compress``.
-    """
-    del model, world_size
-    return None
+    Bytes come from ``lowprec.distributed.allgather_bytes`` (every byte FSDP2's all-gather hands this rank,
+    its own shard included); a step is forward + backward (FSDP2 gathers again in backward after resharding)."""
+    import torch
+
+    from lowprec import convert, recipes
+    from lowprec.distributed import allgather_bytes, shard_model
+
+    rank = torch.distributed.get_rank()
+    gen = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(64, 784, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+    out: dict[str, Any] = {}
+    for name, recipe, lowp in (("float32 gather (fp8-tensorwise)", "fp8-tensorwise", False),
+                               ("fp8 gather (fp8-tensorwise)", "fp8-tensorwise", True),
+                               ("mxfp8 gather (mxfp8)", "mxfp8", True)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                    torch.nn.ReLU(), torch.nn.Linear(512, 10))
+        r = recipes.get(recipe)
+        model = shard_model(convert(model, r), r, lowp_all_gather=lowp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        times, gathered = [], []
+        for _ in range(steps + 1):
+            allgather_bytes(model, reset=True)
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            gathered.append(allgather_bytes(model, reset=True))
+        out[name] = {"bytes_gathered_per_step": gathered[-1], "step_ms": 1e3 * statistics.median(times[1:])}
+    base = out["float32 gather (fp8-tensorwise)"]["bytes_gathered_per_step"]
+    for v in out.values():
+        v["bytes_ratio_vs_fp32"] = base / v["bytes_gathered_per_step"]
+    out["world_size"] = world_size
+    return out
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -121,8 +152,7 @@ def _worker(args: argparse.Namespace) -> None:
     if base:
         for m in out["modes"].values():
             m["step_ratio_vs_fp32"] = m["step_ms"] / base["step_ms"]
-    # ---- FSDP2 all-gather bytes: to be added (see fsdp2_allgather_bytes) ----
-    out["fsdp2"] = fsdp2_allgather_bytes(None, world)
+    out["fsdp2"] = fsdp2_allgather_bytes(world)
     if "fp8" in out["modes"]:
         out["fp8_at_least_3.9x_fewer_bytes"] = out["modes"]["fp8"]["bytes_ratio_vs_fp32"] >= 3.9
     if rank == 0:

@@ -206,3 +206,15 @@ def test_preflight_errors_before_any_work(tmp_path: Path, capsys: pytest.Capture
     assert "not divisible" in capsys.readouterr().err
     with RunStore(tmp_path / "runs.db") as store:
         assert store.list_runs() == []  # nothing started
+
+
+def test_parity_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lowprec parity` on DDP x2 vs one process: PASS within the reduction-order tolerance, exit 0."""
+    (tmp_path / "c.toml").write_text('model = "mlp-digits"\nsteps = 12\nseed = 0\nthreads = 1\n'
+                                     '[parallel]\nstrategy = "ddp"\nworld_size = 2\n')
+    rc = main(["parity", str(tmp_path / "c.toml"), "--against", "single", "--quiet",
+               "--store", str(tmp_path / "runs.db")])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("PASS") and "over 12 steps" in out, out
+    assert main(["parity", str(tmp_path / "c.toml"), "--against", "ddp", "--store", str(tmp_path / "x.db")]) == 2
+    assert "own layout" in capsys.readouterr().err

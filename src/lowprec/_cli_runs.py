@@ -137,6 +137,20 @@ def cmd_runs_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_parity(args: argparse.Namespace) -> int:
+    from .runs._config import STRATEGIES
+    from .testing import check_parity
+
+    if args.against not in STRATEGIES:
+        raise ValueError(f"--against must be one of {', '.join(STRATEGIES)}; got {args.against!r}")
+    config = config_with_overrides(args)
+    with open_store(config.store) as store:
+        result = check_parity(config, store=store, against=args.against, world_size=args.world_size,
+                              progress=not args.quiet)
+    print(result.summary())
+    return 0 if result.passed else 1
+
+
 def add_store_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", metavar="PATH",
                    help=f"run store database (default $LOWPREC_STORE or the config's, else {DEFAULT_STORE})")
@@ -154,6 +168,15 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     add_store_arg(r)
     r.set_defaults(func=cmd_run)
+
+    par = sub.add_parser("parity", help="train a config in its layout and another; compare the loss curves")
+    par.add_argument("config", metavar="CONFIG.toml")
+    par.add_argument("--against", default="single", help="reference layout: single (default), ddp or fsdp2")
+    par.add_argument("--world-size", type=int, help="world size of the reference layout (default: the config's)")
+    par.add_argument("--steps", type=int, help="override the config's steps")
+    par.add_argument("--quiet", action="store_true")
+    add_store_arg(par)
+    par.set_defaults(func=cmd_parity)
 
     runs = sub.add_parser("runs", help="list, show and export recorded runs")
     rs = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)

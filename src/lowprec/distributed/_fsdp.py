@@ -59,7 +59,7 @@ class _CountingAllGather(AllGather):
                  async_op: bool = False) -> dist.Work | None:
         self.counter["bytes"] += output_tensor.numel() * output_tensor.element_size()
         self.counter["calls"] += 1
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def _linear_recipe(recipe: Recipe | LinearRecipe | str) -> LinearRecipe:

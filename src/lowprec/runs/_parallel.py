@@ -110,7 +110,7 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
         return Wrapped(wrapped, lambda: allgather_bytes(wrapped, reset=True), sync)
     from torch.nn.parallel import DistributedDataParallel
 
-    wrapped = DistributedDataParallel(model, broadcast_buffers=False)
+    wrapped = DistributedDataParallel(model, forward_sync_buffers=False)
     g = recipe.grad_comm
     if g is None:
         nbytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
