@@ -4,7 +4,7 @@
         [--compile-recipes all] [--models gpt mlp] [--threads 1] [--steps 8] [--profile [RECIPE]]
 
 ``--quick`` (about a minute with a warm compile cache): fp32 and fp8-tensorwise plus the baselines, both models
-eager, the MLP also compiled (fp8-tensorwise and the baselines), 3-5 timed steps.  The default run (all the
+eager, the MLP also compiled (fp8-tensorwise and the baselines), 5-7 timed steps.  The default run (all the
 representative recipes eager, the compile subset below compiled) takes about 10 minutes on 2 cores with a cold
 inductor cache, most of it compiling (2-3 minutes once the cache is warm).
 
@@ -19,7 +19,8 @@ Every configuration builds a fresh model from the same seed and runs on one fixe
   fp8 recipes convert, i.e. skipping the ``keep_high_precision`` ones such as ``lm_head``) and every requested
   lowprec recipe (``lowprec.convert(model, recipe)`` and ``LowPrecisionOptimizer(AdamW(...), recipe)``);
 * modes: ``eager`` and ``compiled`` (``torch.compile(model)``; the optimizer step stays eager).  Dynamo is reset
-  before every compiled configuration so that no configuration inherits another's graphs or recompile budget.
+  before each model's compiled group (its configurations are compiled side by side, each model its own graphs,
+  with a recompile limit of 64 for the group).
   Compiling costs tens of seconds to minutes per model and recipe on a 2-core CPU with a cold inductor cache, so
   by default only the baselines, ``fp32`` and ``fp8-tensorwise`` are also timed compiled (``--compile-recipes
   all`` for every recipe; skipped configurations are listed under ``skipped`` with the reason).  In eager mode the
@@ -29,7 +30,9 @@ Every configuration builds a fresh model from the same seed and runs on one fixe
 
 Each configuration runs warm-up steps (the first one compiles in compiled mode; its time is reported as
 ``first_step_s``), then up to ``--steps`` timed steps, stopping early once the timed steps have taken
-``--max-config-s`` seconds (at least ``--min-steps`` are always run).  ``step_ms`` is the median, ``best_ms`` the
+``--max-config-s`` seconds (at least ``--min-steps`` are always run).  The configurations of one model and mode are
+timed interleaved: one step of each per round, in a rotating order, so that load from other processes falls on
+all of them alike and the ratios, which compare medians of the same rounds, stay meaningful on a busy machine.  ``step_ms`` is the median, ``best_ms`` the
 minimum.  Ratios compare medians within one mode: ``ratio_to_fp32`` against ``pytorch-fp32`` and
 ``ratio_to_torchao_float8`` against ``torchao-float8``.
 
@@ -283,24 +286,7 @@ class Step:
         return sum(self.phases())
 
 
-def measure(model_name: str, impl: str, mode: str, *, warmup: int, steps: int, min_steps: int,
-            max_config_s: float) -> dict[str, Any]:
-    compiled = mode == "compiled"
-    if compiled:
-        torch._dynamo.reset()
-    t_build = time.perf_counter()
-    step = Step(model_name, impl, compiled)
-    first = None
-    for i in range(warmup):
-        dt = step()
-        if i == 0:
-            first = dt
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < steps and (len(times) < min_steps or spent < max_config_s):
-        dt = step()
-        times.append(dt)
-        spent += dt
+def _result(step: Step, times: list[float], warmup: int, first: float | None, wall: float) -> dict[str, Any]:
     res: dict[str, Any] = {
         "step_ms": round(1e3 * statistics.median(times), 2),
         "best_ms": round(1e3 * min(times), 2),
@@ -309,11 +295,76 @@ def measure(model_name: str, impl: str, mode: str, *, warmup: int, steps: int, m
     }
     if first is not None:
         res["first_step_s"] = round(first, 2)
-    res["config_wall_s"] = round(time.perf_counter() - t_build, 1)
+    res["config_wall_s"] = round(wall, 1)
     res["last_loss"] = round(step.last_loss, 4) if math.isfinite(step.last_loss) else str(step.last_loss)
     if step.converted:
         res["converted_linears"] = len(step.converted)
     return res
+
+
+def measure(model_name: str, impl: str, mode: str, *, warmup: int, steps: int, min_steps: int,
+            max_config_s: float) -> dict[str, Any]:
+    """One configuration on its own (used for the slow accumulator-emulating recipes)."""
+    return measure_interleaved(model_name, [impl], mode, warmup=warmup, steps=steps, min_steps=min_steps,
+                               max_config_s=max_config_s)[impl]
+
+
+def measure_interleaved(model_name: str, impls: list[str], mode: str, *, warmup: int, steps: int,
+                        min_steps: int, max_config_s: float) -> dict[str, dict[str, Any]]:
+    """Time several configurations of one model and mode in interleaved rounds (one step of each per round, in a
+    rotating order), so that load from other processes hits them alike and their ratios stay comparable.
+
+    A configuration that fails records ``{"error": ...}`` and leaves the others running.
+    """
+    compiled = mode == "compiled"
+    if compiled:
+        torch._dynamo.reset()
+    out: dict[str, dict[str, Any]] = {}
+    live: dict[str, Step] = {}
+    first: dict[str, float | None] = {}
+    wall: dict[str, float] = {}
+    for impl in impls:
+        print(f"[bench_train] {model_name} {impl} {mode}: build and warm up ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            step = Step(model_name, impl, compiled)
+            first[impl] = None
+            for i in range(warmup):
+                dt = step()
+                if i == 0:
+                    first[impl] = dt
+            live[impl] = step
+        except Exception as e:  # noqa: BLE001 - record the failure and go on with the others
+            out[impl] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        wall[impl] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {impl: [] for impl in live}
+    spent: dict[str, float] = {impl: 0.0 for impl in live}
+
+    def wants(impl: str) -> bool:
+        n = len(times[impl])
+        return n < steps and (n < min_steps or spent[impl] < max_config_s)
+
+    rnd = 0
+    while any(wants(i) for i in live):
+        order = list(live)
+        order = order[rnd % len(order):] + order[: rnd % len(order)]
+        for impl in order:
+            if impl not in live or not wants(impl):
+                continue
+            try:
+                dt = live[impl]()
+            except Exception as e:  # noqa: BLE001
+                out[impl] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+                del live[impl]
+                continue
+            times[impl].append(dt)
+            spent[impl] += dt
+            wall[impl] += dt
+        rnd += 1
+    for impl, step in live.items():
+        out[impl] = _result(step, times[impl], warmup, first[impl], wall[impl])
+        print(f"[bench_train]   {impl} -> {out[impl]}", file=sys.stderr, flush=True)
+    return {impl: out[impl] for impl in impls}
 
 
 # ------------------------------------------------------------------------------------------------- profile
@@ -459,7 +510,7 @@ def quiet() -> Iterator[None]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help=f"about a minute: recipes {' '.join(QUICK_RECIPES)}, 3-5 timed steps, 1.5 s per config")
+                   help=f"about a minute: recipes {' '.join(QUICK_RECIPES)}, 5-7 timed steps, 2 s per config")
     p.add_argument("--recipes", nargs="+", metavar="RECIPE",
                    help=f"lowprec recipes to time (default: {' '.join(DEFAULT_RECIPES)}; 'all' for every built-in)")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
@@ -488,7 +539,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=3)
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.min_steps, args.max_config_s = 5, 3, 1.5
+        args.steps, args.min_steps, args.max_config_s = 7, 5, 2.0
         args.warmup = min(args.warmup, 2)
         if args.recipes is None:
             args.recipes = QUICK_RECIPES
@@ -531,11 +582,11 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[dict[str, str]] = []
     with quiet():
         for model_name in args.models:
-            results[model_name] = {}
-            for impl in impls:
-                results[model_name][impl] = {}
-                slow = impl not in BASELINES and is_slow(impl)
-                for mode in modes:
+            results[model_name] = {impl: {} for impl in impls}
+            for mode in modes:
+                group: list[str] = []
+                for impl in impls:
+                    slow = impl not in BASELINES and is_slow(impl)
                     reason = None
                     if slow and mode == "compiled":
                         reason = ("accumulator emulation (one pass per reduction index) is eager only; compiling "
@@ -546,18 +597,19 @@ def main(argv: list[str] | None = None) -> int:
                         reason = "recipe not in --compile-recipes (compiling costs minutes per recipe on CPU)"
                     if reason:
                         skipped.append({"model": model_name, "impl": impl, "mode": mode, "reason": reason})
-                        continue
-                    kw = (dict(warmup=args.slow_warmup, steps=args.slow_steps, min_steps=args.slow_steps,
-                               max_config_s=0.0) if slow else
-                          dict(warmup=args.warmup, steps=args.steps, min_steps=args.min_steps,
-                               max_config_s=args.max_config_s))
-                    print(f"[bench_train] {model_name} {impl} {mode} ...", file=sys.stderr, flush=True)
-                    try:
-                        res = measure(model_name, impl, mode, **kw)
-                    except Exception as e:  # noqa: BLE001 - record the failure and go on with the others
-                        res = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-                    print(f"[bench_train]   -> {res}", file=sys.stderr, flush=True)
-                    results[model_name][impl][mode] = res
+                    elif slow:  # far slower than the rest: timed on its own, after the interleaved group
+                        results[model_name][impl][mode] = measure(
+                            model_name, impl, mode, warmup=args.slow_warmup, steps=args.slow_steps,
+                            min_steps=args.slow_steps, max_config_s=0.0)
+                    else:
+                        group.append(impl)
+                if group:
+                    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
+                        res = measure_interleaved(model_name, group, mode, warmup=args.warmup, steps=args.steps,
+                                                  min_steps=args.min_steps, max_config_s=args.max_config_s)
+                    for impl, r in res.items():
+                        results[model_name][impl][mode] = r
+            for impl in impls:
                 if not results[model_name][impl]:
                     del results[model_name][impl]
         add_ratios(results)

@@ -10,6 +10,11 @@ Each ``Q`` is the recipe's ``Operand`` for that GEMM, applied with the reduction
 through the GEMM's ``Accumulator`` and optional output rounding.  The bias is added in float32 after the GEMM (as
 torchao's Float8Linear does).  Weights keep their ``Parameter`` objects, so optimizers and state dicts are unchanged.
 
+Where two GEMMs quantize the same tensor identically (tensorwise or no scaling, same spec, no stochastic rounding;
+see ``shares_quantization``) it is quantized once: Q(x) serves forward and grad_weight and is saved for backward
+in place of x, Q(W) serves forward and grad_input, Q(dY) both backward GEMMs.  ``gemm`` is the per-GEMM reference
+whose bits this reproduces.  Gradients autograd does not need (a first layer's input) are not computed.
+
 Delayed scaling keeps one amax history per tensor role (input, weight, grad_output) in buffers named
 ``amax_history_<role>``; stochastic operands draw their random bits from ``(recipe seed, module, GEMM, operand,
 step)`` with the step counter in the buffer ``lp_step``.  Those buffers exist only when the recipe needs them.
@@ -70,18 +75,55 @@ def _operand(t: torch.Tensor, op: Operand, keys: torch.Tensor | None, amax: torc
     return fake_quantize_tensors(t, op.spec, keys=keys, offset=off, amax=amax)
 
 
-def gemm(
-    a: torch.Tensor, b: torch.Tensor, spec: Gemm, name: str, keys: Keys | None, amax: dict[str, torch.Tensor]
+def quantize_operand(
+    t: torch.Tensor, spec: Gemm, name: str, which: str, keys: Keys | None, amax: dict[str, torch.Tensor]
 ) -> torch.Tensor:
-    """One emulated GEMM ``Q(a) @ Q(b)^T`` (reduction dim last in both) with accumulator and output rounding."""
-    ops = []
-    for which, t, op in (("a", a, spec.a), ("b", b, spec.b)):
-        role_amax = amax.get(_ROLE[(name, which)]) if op.scaling.kind == "delayed" else None
-        ops.append(_operand(t, op, keys.get((name, which)) if keys else None, role_amax))
-    out = accumulate_matmul(ops[0], ops[1], spec.accumulator)
+    """Operand ``which`` ("a" or "b") of GEMM ``name`` quantized per ``spec`` (reduction dim last)."""
+    op: Operand = getattr(spec, which)
+    role_amax = amax.get(_ROLE[(name, which)]) if op.scaling.kind == "delayed" else None
+    return _operand(t, op, keys.get((name, which)) if keys else None, role_amax)
+
+
+def product(qa: torch.Tensor, qb: torch.Tensor, spec: Gemm) -> torch.Tensor:
+    """``qa @ qb^T`` of already quantized operands through the GEMM's accumulator and output rounding."""
+    out = accumulate_matmul(qa, qb, spec.accumulator)
     if spec.output_format is not None:
         out = _quantize(out, formats.get(spec.output_format))
     return out
+
+
+def gemm(
+    a: torch.Tensor, b: torch.Tensor, spec: Gemm, name: str, keys: Keys | None, amax: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """One emulated GEMM ``Q(a) @ Q(b)^T`` (reduction dim last in both) with accumulator and output rounding.
+
+    This is the per-GEMM reference: every operand quantized for its own GEMM.  The autograd functions quantize a
+    tensor once where ``shares_quantization`` says that gives the same bits.
+    """
+    qa = quantize_operand(a, spec, name, "a", keys, amax)
+    return product(qa, quantize_operand(b, spec, name, "b", keys, amax), spec)
+
+
+def shares_quantization(first: Operand, second: Operand) -> bool:
+    """True when ``Q_second(t^T) == Q_first(t)^T`` bit for bit for every tensor ``t``, so that one quantization of
+    ``t`` serves two GEMMs (the weight in forward and grad_input, the input in forward and grad_weight, the output
+    gradient in grad_input and grad_weight).
+
+    It holds when neither operand is quantized, or both use the same spec with one scale for the whole tensor (or
+    none), round without random bits and take their amax the same way (current, or the same role's delayed
+    history): the amax of ``t^T`` is that of ``t`` (max is exact and order-free) and the rest is elementwise.  It
+    does not hold for stochastic rounding (each GEMM draws its own bits) nor for axis, block or tile scaling, which
+    group ``t`` and ``t^T`` differently.
+    """
+    if first.spec is None or second.spec is None:
+        return first.spec is None and second.spec is None
+    spec = first.spec
+    return (
+        spec == second.spec
+        and spec.scaling in ("none", "tensor")
+        and spec.rounding != "stochastic"
+        and first.scaling.kind == second.scaling.kind
+    )
 
 
 def _is_plain(g: Gemm) -> bool:
@@ -89,40 +131,66 @@ def _is_plain(g: Gemm) -> bool:
 
 
 class _LinearFn(torch.autograd.Function):
+    """The three GEMMs of the module docstring.  Where ``shares_quantization`` allows, a tensor is quantized once:
+    Q(x) serves forward and grad_weight (and is what is saved for backward instead of x), Q(W) forward and
+    grad_input, Q(dY) grad_input and grad_weight.  The bits equal those of ``gemm`` run once per GEMM."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, info: _Ctx
     ) -> torch.Tensor:
         m = info.module
+        rec = m.recipe
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         w = weight.to(torch.float32)
         amax = m._delayed_amax({"input": x2, "weight": w})
-        fwd = m.recipe.forward
+        fwd = rec.forward
         if _is_plain(fwd):  # nothing to emulate: exactly nn.Linear's float32 addmm
             y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(torch.float32))
+            qx, qw = x2, w
         else:
             # y = x @ W^T   [B,K] @ [K,N] -> [B,N]; the bias is added after the GEMM, as torchao does
-            y = gemm(x2, w, fwd, "forward", info.keys, amax)
+            qx = quantize_operand(x2, fwd, "forward", "a", info.keys, amax)
+            qw = quantize_operand(w, fwd, "forward", "b", info.keys, amax)
+            y = product(qx, qw, fwd)
             if bias is not None:
                 y = y + bias.to(torch.float32)
-        ctx.save_for_backward(x2, w)
+        ctx.share_x = shares_quantization(fwd.a, rec.grad_weight.b)
+        ctx.share_w = shares_quantization(fwd.b, rec.grad_input.b)
+        ctx.save_for_backward(qx if ctx.share_x else x2, qw if ctx.share_w else w)
         ctx.info, ctx.amax, ctx.has_bias = info, amax, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x2, w = ctx.saved_tensors
+        x2, w = ctx.saved_tensors  # Q(x) / Q(W) where shared with the forward GEMM
         m, keys = ctx.info.module, ctx.info.keys
+        gi, gw = m.recipe.grad_input, m.recipe.grad_weight
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
         amax = dict(ctx.amax)
         amax.update(m._delayed_amax({"grad_output": g2}))
-        # grad_input = dY @ W   [B,N] @ [N,K] -> [B,K]   (b = W^T [K,N], reduction dim N last)
-        gx = gemm(g2, w.t(), m.recipe.grad_input, "grad_input", keys, amax)
-        # grad_weight = dY^T @ x   [N,B] @ [B,K] -> [N,K]   (a = dY^T [N,B], b = x^T [K,B])
-        gw = gemm(g2.t(), x2.t(), m.recipe.grad_weight, "grad_weight", keys, amax)
-        gb = g2.sum(0) if ctx.has_bias else None
-        return gx.reshape(ctx.x_shape).to(ctx.x_dtype), gw.to(ctx.w_dtype), gb, None
+        # Gradients nobody asked for (a first layer's input) are skipped; random bits are counter-based per
+        # (GEMM, operand, step), so skipping one quantization changes no other.
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        share_g = shares_quantization(gi.a, gw.a)
+        qg = quantize_operand(g2, gi, "grad_input", "a", keys, amax) if need_x or (need_w and share_g) else g2
+        gx = gw_out = gb = None
+        if need_x:
+            # grad_input = dY @ W   [B,N] @ [N,K] -> [B,K]   (b = W^T [K,N], reduction dim N last)
+            qw_t = w.t() if ctx.share_w else quantize_operand(w.t(), gi, "grad_input", "b", keys, amax)
+            gx = product(qg, qw_t, gi).reshape(ctx.x_shape).to(ctx.x_dtype)
+        if need_w:
+            # grad_weight = dY^T @ x   [N,B] @ [B,K] -> [N,K]   (a = dY^T [N,B], b = x^T [K,B])
+            if share_g:
+                qg_t = qg.t()
+            else:
+                qg_t = quantize_operand(g2.t(), gw, "grad_weight", "a", keys, amax)
+            qx_t = x2.t() if ctx.share_x else quantize_operand(x2.t(), gw, "grad_weight", "b", keys, amax)
+            gw_out = product(qg_t, qx_t, gw).to(ctx.w_dtype)
+        if ctx.has_bias and need_b:
+            gb = g2.sum(0)
+        return gx, gw_out, gb, None
 
 
 def _copy_module_state(src: nn.Module, dst: nn.Module) -> None:

@@ -7,7 +7,8 @@ the weight's place:
     da   = Q(dO) @ Q(b)^T             grad_input   a = dO [M,N],            b = b [K,N]
     db^T = Q(dO^T) @ Q(a^T)^T         grad_weight  a = dO^T [N,M],          b = a^T [K,M]
 
-It is stateless: delayed scaling falls back to current scaling, and stochastic operands use ``seed``.
+It is stateless: delayed scaling falls back to current scaling, and stochastic operands use ``seed``.  As in
+``EmulatedLinear``, a tensor is quantized once where its two GEMMs quantize it identically (tensorwise scaling).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from .. import recipes
 from ..quant import _random
 from ..recipes import Gemm, LinearRecipe, Recipe, Scaling
-from ._linear import Keys, gemm
+from ._linear import Keys, product, quantize_operand, shares_quantization
 
 
 def _current(g: Gemm) -> Gemm:
@@ -29,25 +30,44 @@ def _current(g: Gemm) -> Gemm:
 
 
 class _MatmulFn(torch.autograd.Function):
+    """Quantizes a tensor once where ``shares_quantization`` allows (as ``EmulatedLinear`` does); the bits equal
+    those of ``gemm`` run once per GEMM."""
+
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, lin: LinearRecipe, keys: Keys) -> torch.Tensor:  # type: ignore[override]
         af, bf = a.to(torch.float32), b.to(torch.float32)
-        ctx.save_for_backward(af, bf)
-        ctx.lin, ctx.keys, ctx.dtypes = lin, keys, (a.dtype, b.dtype)
         # out = a @ b   [..,M,K] @ [..,K,N] -> [..,M,N]
-        out = gemm(af, bf.transpose(-1, -2), lin.forward, "forward", keys, {})
+        qa = quantize_operand(af, lin.forward, "forward", "a", keys, {})
+        qb_t = quantize_operand(bf.transpose(-1, -2), lin.forward, "forward", "b", keys, {})
+        out = product(qa, qb_t, lin.forward)
+        ctx.share_a = shares_quantization(lin.forward.a, lin.grad_weight.b)
+        ctx.share_b = shares_quantization(lin.forward.b, lin.grad_input.b)
+        ctx.save_for_backward(qa if ctx.share_a else af, qb_t.transpose(-1, -2) if ctx.share_b else bf)
+        ctx.lin, ctx.keys, ctx.dtypes = lin, keys, (a.dtype, b.dtype)
         return out.to(torch.promote_types(a.dtype, b.dtype))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        af, bf = ctx.saved_tensors
+        af, bf = ctx.saved_tensors  # Q(a) / Q(b) where shared with the forward GEMM
+        gi, gw, keys = ctx.lin.grad_input, ctx.lin.grad_weight, ctx.keys
         gf = g.to(torch.float32)
-        # da = dO @ b^T   [..,M,N] @ [..,N,K] -> [..,M,K]
-        da = gemm(gf, bf, ctx.lin.grad_input, "grad_input", ctx.keys, {})
-        # db^T = dO^T @ a   [..,N,M] @ [..,M,K] -> [..,N,K]
-        db_t = gemm(gf.transpose(-1, -2), af.transpose(-1, -2), ctx.lin.grad_weight, "grad_weight", ctx.keys, {})
-        da = _unbroadcast(da, af.shape).to(ctx.dtypes[0])
-        db = _unbroadcast(db_t.transpose(-1, -2), bf.shape).to(ctx.dtypes[1])
+        need_a, need_b = ctx.needs_input_grad[:2]
+        share_g = shares_quantization(gi.a, gw.a)
+        qg = quantize_operand(gf, gi, "grad_input", "a", keys, {}) if need_a or (need_b and share_g) else gf
+        da = db = None
+        if need_a:
+            # da = dO @ b^T   [..,M,N] @ [..,N,K] -> [..,M,K]
+            qb = bf if ctx.share_b else quantize_operand(bf, gi, "grad_input", "b", keys, {})
+            da = _unbroadcast(product(qg, qb, gi), af.shape).to(ctx.dtypes[0])
+        if need_b:
+            # db^T = dO^T @ a   [..,N,M] @ [..,M,K] -> [..,N,K]
+            if share_g:
+                qg_t = qg.transpose(-1, -2)
+            else:
+                qg_t = quantize_operand(gf.transpose(-1, -2), gw, "grad_weight", "a", keys, {})
+            a_t = af.transpose(-1, -2)
+            qa_t = a_t if ctx.share_a else quantize_operand(a_t, gw, "grad_weight", "b", keys, {})
+            db = _unbroadcast(product(qg_t, qa_t, gw).transpose(-1, -2), bf.shape).to(ctx.dtypes[1])
         return da, db, None, None
 
 

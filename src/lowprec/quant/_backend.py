@@ -10,6 +10,11 @@ division/multiplication only; the test suite checks the identity).
 inside a user's own ``torch.compile`` region (where the kernel is traced into the user's graph anyway).
 Compiled kernels are specialised to the format, rounding, spec and tensor shape; each new combination compiles
 once (a few seconds on CPU) and is cached for the process.
+
+Eager fast paths: where a kernel runs eagerly outside any compiled region (``runs_eager``), the quantizers may take
+a shorter route that gives the same bits as the kernel (round-to-nearest by float32 arithmetic instead of ~40
+integer operations: ``_elementwise.round_nearest_fast``).  ``fast_paths(False)`` turns them off, so tests can
+compare the two routes bit for bit.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ _BACKENDS = ("auto", "eager", "compiled")
 AUTO_MIN_NUMEL = 1 << 20
 _state: dict[str, str] = {"backend": os.environ.get("LOWPREC_BACKEND", "auto")}
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+_fast: dict[str, bool] = {"on": True}
 
 
 def set_backend(backend: Backend) -> None:
@@ -50,13 +56,33 @@ def backend(name: Backend) -> Iterator[None]:
         _state["backend"] = old
 
 
-def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
-    """Call ``kernel`` eagerly or compiled according to the backend setting."""
+@contextlib.contextmanager
+def fast_paths(enabled: bool) -> Iterator[None]:
+    """Turn the eager fast paths on or off inside the block (they are on by default)."""
+    old = _fast["on"]
+    _fast["on"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _fast["on"] = old
+
+
+def _use_compiled(numel: int) -> bool:
     mode = _state["backend"]
     if mode not in _BACKENDS:
         raise ValueError(f"LOWPREC_BACKEND must be one of {_BACKENDS}; got {mode!r}")
-    use = mode == "compiled" or (mode == "auto" and numel >= AUTO_MIN_NUMEL)
-    if not use or torch.compiler.is_compiling():
+    return mode == "compiled" or (mode == "auto" and numel >= AUTO_MIN_NUMEL)
+
+
+def runs_eager(numel: int) -> bool:
+    """True when ``run`` would call a kernel for ``numel`` elements eagerly, outside any compiled region, and the
+    eager fast paths are on: a caller may then use a fast path that gives the kernel's bits."""
+    return _fast["on"] and not _use_compiled(numel) and not torch.compiler.is_compiling()
+
+
+def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
+    """Call ``kernel`` eagerly or compiled according to the backend setting."""
+    if not _use_compiled(numel) or torch.compiler.is_compiling():
         return kernel(*args, **kwargs)
     fn = _compiled.get(kernel)
     if fn is None:

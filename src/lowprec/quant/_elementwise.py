@@ -8,9 +8,27 @@ float4), where ml_dtypes returns -0 and would hide the NaN.
 Overflow follows the format's own rule unless ``saturate=True``.  PyTorch's ``x.to(torch.float8_e4m3fn)`` differs:
 it saturates out-of-range values (even inf) to +-448; ``quantize(x, "float8_e4m3fn", saturate=True)`` matches it
 on finite values, while inf stays visible (as NaN, e4m3fn has no inf).
+
+Eager fast path (``round_nearest_fast``).  The kernel of ``_round`` takes about forty integer operations, each a
+separate pass over memory when run eagerly.  Round-to-nearest-even onto a float format's grid has a much shorter
+float32 route: with ``step = 2^(max(E, emin) - M)`` the grid spacing at ``v`` (``E = floor(log2 |v|)``) and
+``C = 1.5 * 2^23 * step``,
+
+    RNE(v) = fl(v + C) - C
+
+because ``v + C`` lies in ``[2^23 step, 2^24 step)``: ``|v| < 2^(max(E, emin) + 1) = 2^(M+1) step``, which is at
+most ``2^22 step`` for ``M <= 21`` (the route is used for ``M <= 20``), so this holds for negative ``v`` too.  That
+binade's float32 spacing is exactly ``step``, so float32's own ties-to-even addition does the rounding (``C / step = 1.5 * 2^23`` is even, so parity is that of the result); the subtraction is exact.  ``C`` is
+built from the exponent bits of ``v`` (``bits & 0x7F800000`` is ``2^E`` as a float, 0 for float32 subnormals) times
+``1.5 * 2^(23 - M)``, clamped below at ``1.5 * 2^(23 + emin - M)`` (the format's subnormal step).  Zero results
+come out as +0 and get ``v``'s sign back with ``copysign``.  It is used only when every ``|v|`` is finite and small
+enough for ``C`` not to overflow, for signed float formats with round-to-nearest, and only eagerly (the compiled
+kernel stays the bit-operation one, whose bits the test suite compares against this route).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -46,6 +64,66 @@ def stochastic_args(
     if seed is None:
         seed = _random.draw_seed()
     return _random.key_tensor(seed, device), _random.offset_tensor(offset, device)
+
+
+_EXP_BITS = 0x7F800000
+
+
+def fast_round_ok(fmt: FormatSpec, rounding: str) -> bool:
+    """Whether ``round_nearest_fast`` handles ``fmt`` and ``rounding`` (signed float formats with 1 to 20 mantissa
+    bits and float32's exponent range or less, round-to-nearest)."""
+    return (
+        rounding == "nearest" and fmt.kind == "float" and fmt.signed and 1 <= fmt.mbits <= 20 and fmt.emin >= -126
+    )
+
+
+def round_nearest_fast(
+    v: torch.Tensor,
+    fmt: FormatSpec,
+    *,
+    saturate: bool,
+    vmax: float | None = None,
+    sign: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """``quantize_f32(v, fmt, rounding="nearest", saturate=saturate)`` by the float32 route of the module
+    docstring, or ``None`` where that route does not apply (non-finite values, overflow that does not saturate,
+    formats ``fast_round_ok`` rejects, empty tensors): the caller then runs the kernel.
+
+    ``v``: float32, any shape and strides.  Without ``sign`` it is not modified and a new tensor with ``v``'s
+    layout is returned.  With ``sign`` (a tensor with the signs of ``v``, e.g. the unscaled ``x`` of ``v = x * m``)
+    ``v`` is the caller's scratch tensor: it is rounded in place and returned.  ``vmax``: ``max |v|`` when the
+    caller knows it (it must then know that ``v`` is finite); otherwise it is read back to Python (eager only).
+    """
+    if not fast_round_ok(fmt, "nearest") or v.numel() == 0 or v.dtype != torch.float32:
+        return None
+    if vmax is None:
+        lo_t, hi_t = torch.aminmax(v)
+        lo, hi = lo_t.item(), hi_t.item()
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return None  # NaN or inf somewhere: the kernel's special-value rules apply
+        vmax = max(abs(lo), abs(hi))
+    fmax, mb = fmt.max, fmt.mbits
+    if not math.isfinite(vmax):
+        return None
+    if vmax > fmax:
+        if not (saturate or fmt.special == "finite"):
+            return None  # overflow to inf/NaN: the kernel's rules
+        # clamping before rounding = rounding then saturating (fmax is on the grid)
+        v = v.clamp_(-fmax, fmax) if sign is not None else torch.clamp(v, -fmax, fmax)
+        vmax = fmax
+    if vmax >= 2.0 ** (126 - (24 - mb)):
+        return None  # C = 1.5 * 2^(E + 23 - M) and v + C must stay finite
+    c = (v.view(torch.int32) & _EXP_BITS).view(torch.float32)  # 2^E (0 for zero and float32 subnormals)
+    c.mul_(1.5 * 2.0 ** (23 - mb)).clamp_(min=1.5 * 2.0 ** (23 + fmt.emin - mb))
+    if sign is None:
+        sign = v
+        r = torch.add(v, c)
+    else:
+        r = v.add_(c)
+    r.sub_(c)
+    if fmt.has_negative_zero:
+        r.copysign_(sign)
+    return r
 
 
 def _kernel(
@@ -92,4 +170,8 @@ def quantize(
     mode = check_rounding(rounding)
     saturate = check_bool(saturate, "saturate")
     keys, off = stochastic_args(mode, seed, offset, x.numel(), x.device)
+    if keys is None and _backend.runs_eager(x.numel()) and fast_round_ok(spec, mode):
+        r = round_nearest_fast(x.to(torch.float32), spec, saturate=saturate)
+        if r is not None:
+            return r.to(x.dtype)
     return _backend.run(_kernel, x.numel(), x, keys, off, fmt=spec, rounding=mode, saturate=saturate)

@@ -22,14 +22,16 @@ tensor scale.  The values are the same either way: the same operations on the sa
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import NamedTuple
 
 import torch
 
 from . import _backend, _codec, _groups, _random
-from ._elementwise import check_tensor, stochastic_args
+from ._elementwise import check_tensor, fast_round_ok, round_nearest_fast, stochastic_args
 from ._round import quantize_f32
-from ._scale import group_scale, tensor_scale_from_amax, uses_multiplier
+from ._scale import _F32_MAX, group_scale, tensor_scale_from_amax, uses_multiplier
 from ._spec import QuantSpec
 
 
@@ -75,14 +77,21 @@ def _elements(
     rbits = None
     if keys is not None and off is not None:
         rbits = _groups.group(_random.random_bits(keys, off, xf.numel(), xf.device).view(xf.shape), spec)
-    fmt, rounding, saturate = spec.format, spec.rounding, spec.saturate
+    v, eff = _prescaled(xf, s, s_t, spec)
+    return quantize_f32(v, spec.format, rounding=spec.rounding, saturate=spec.saturate, rbits=rbits), eff
+
+
+def _prescaled(
+    xf: torch.Tensor, s: torch.Tensor, s_t: torch.Tensor | None, spec: QuantSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped values to round (``x / scale``, or ``x * m`` for float32 scales) and the effective scale."""
     if spec.scaling == "none":
-        return quantize_f32(xf, fmt, rounding=rounding, saturate=saturate, rbits=rbits), s
+        return xf, s
     g = _groups.group(xf, spec)
     if uses_multiplier(spec):  # float32 scales: s is the multiplier m; dequantize with its reciprocal
-        return quantize_f32(g * s, fmt, rounding=rounding, saturate=saturate, rbits=rbits), 1.0 / s
+        return g * s, 1.0 / s
     eff = s if s_t is None else s * s_t
-    return quantize_f32(g / eff, fmt, rounding=rounding, saturate=saturate, rbits=rbits), eff
+    return g / eff, eff
 
 
 def _core(
@@ -112,6 +121,69 @@ def _fake_kernel(
     return _groups.ungroup_padded(q * eff, spec).to(x.dtype)
 
 
+def _fake_fast(x: torch.Tensor, s: torch.Tensor, s_t: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor | None:
+    """``_fake_kernel``'s result by the eager float32 rounding route (``_elementwise.round_nearest_fast``), or None
+    where that route does not apply."""
+    xf = x.to(torch.float32)
+    v, eff = _prescaled(xf, s, s_t, spec)
+    # v = x * m or x / scale with positive scales: a fresh tensor with the signs of the grouped x
+    sign = None if spec.scaling == "none" else _groups.group(xf, spec)
+    q = round_nearest_fast(v, spec.format, saturate=spec.saturate, sign=sign)
+    if q is None:
+        return None
+    return _groups.ungroup_padded(q.mul_(eff), spec).to(x.dtype)
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to the nearest float32 (ties to even), inf on overflow."""
+    try:
+        return float(struct.unpack("<f", struct.pack("<f", v))[0])
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
+def _tensorwise_fast_ok(x: torch.Tensor, spec: QuantSpec) -> bool:
+    return (
+        spec.scaling == "tensor"
+        and spec.rounding == "nearest"
+        and uses_multiplier(spec)
+        and x.numel() > 0
+        and fast_round_ok(spec.format, "nearest")
+        and _backend.runs_eager(x.numel())
+    )
+
+
+def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None) -> torch.Tensor | None:
+    """``fake_quantize`` for a float32-scale tensorwise spec with round-to-nearest, eagerly with the scale arithmetic
+    on Python floats (about ten tensor operations in all); None where it does not apply.
+
+    Same bits as ``_scales`` + ``_fake_kernel``: ``amax`` is exact (a max), and for float32 operands a division,
+    product or reciprocal computed in double and rounded once to float32 is the correctly rounded float32 result
+    (double has more than 2 * 24 + 2 bits), which is what torch's float32 operations give.  ``max |x * m|`` is
+    ``fl(max |x| * m)`` because rounding is monotonic.
+    """
+    lo_t, hi_t = torch.aminmax(x)
+    lo, hi = lo_t.item(), hi_t.item()
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None  # NaN or inf in x: the kernels' rules
+    xmax = max(abs(lo), abs(hi))
+    a = xmax if amax is None else float(amax.to(torch.float32).item())
+    if not (math.isfinite(a) and a >= 0.0):
+        return None
+    fmax = spec.format.max
+    m = min(_f32(fmax / a), _F32_MAX) if a > 0.0 else _F32_MAX  # group_scale: clamp(max_elem / amax, max=...)
+    if spec.margin:
+        m = _f32(m * 2.0**-spec.margin)
+    if not (math.isfinite(m) and m > 0.0):
+        return None
+    xf = x.to(torch.float32)
+    v = xf * m
+    q = round_nearest_fast(v, spec.format, saturate=spec.saturate, vmax=_f32(xmax * m), sign=xf)
+    if q is None:
+        return None
+    return q.mul_(_f32(1.0 / m)).to(x.dtype)
+
+
 def _fake(
     x: torch.Tensor,
     s: torch.Tensor,
@@ -126,7 +198,11 @@ def _fake(
     of the cropped output and never write the last partial block (uninitialised memory comes back); the padded
     output has whole blocks only.
     """
-    y = _backend.run(_fake_kernel, x.numel(), x, s, s_t, keys, off, spec=spec)
+    y = None
+    if keys is None and _backend.runs_eager(x.numel()) and fast_round_ok(spec.format, spec.rounding):
+        y = _fake_fast(x, s, s_t, spec)
+    if y is None:
+        y = _backend.run(_fake_kernel, x.numel(), x, s, s_t, keys, off, spec=spec)
     return y if y.shape == x.shape else _groups.crop(y, x.shape).contiguous()
 
 
@@ -157,6 +233,10 @@ def fake_quantize(
     """
     spec = _check(x, spec)
     keys, off = stochastic_args(spec.rounding, seed, offset, x.numel(), x.device)
+    if _tensorwise_fast_ok(x, spec):
+        y = _tensorwise_fast(x, spec, None)
+        if y is not None:
+            return y
     if spec.scaling == "none":
         s, s_t = _scales(x, spec)  # a constant: no kernel needed
     else:
@@ -227,6 +307,12 @@ def fake_quantize_tensors(
         keys = offset = None
     elif keys is None or offset is None:
         raise ValueError("fake_quantize_tensors: stochastic rounding needs keys and offset tensors")
+    if amax is not None and spec.scaling != "tensor":
+        raise ValueError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
+    if _tensorwise_fast_ok(x, spec):
+        y = _tensorwise_fast(x, spec, amax)
+        if y is not None:
+            return y
     if amax is None:
         s, s_t = _backend.run(_scales_kernel, x.numel(), x, spec=spec)
     else:

@@ -1,0 +1,273 @@
+"""The training speed paths give the bits of the paths they replace.
+
+* Eager round-to-nearest by float32 arithmetic (``_elementwise.round_nearest_fast``).  Oracle: the integer kernel
+  ``_round.quantize_f32`` (itself checked against ml_dtypes and torch casts elsewhere), over every float32 whose
+  top 14 mantissa bits run through all values (with several low-bit patterns) in every binade around the
+  format's subnormal range, its largest binades and a few in between, both signs, plus random bit patterns.
+  Through the public quantizers the oracle is the same call with the fast paths turned off
+  (``lowprec.quant._backend.fast_paths(False)``).
+* One quantization per tensor shared between GEMMs (``_linear.shares_quantization``).  Oracle: the per-GEMM
+  implementation (every operand quantized for its own GEMM, ``_linear.gemm``), obtained by making
+  ``shares_quantization`` answer False; forward output and both gradients over several training steps compared
+  bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lowprec
+import lowprec.nn._linear as lin_mod
+from lowprec import formats
+from lowprec.quant import QuantSpec, _backend
+from lowprec.quant._elementwise import fast_round_ok, round_nearest_fast
+from lowprec.quant._round import quantize_f32
+from lowprec.quant._scaled import fake_quantize_tensors
+from lowprec.testing import assert_bitwise_equal
+
+FAST_FORMATS = [n for n in formats.names() if fast_round_ok(formats.get(n), "nearest")]
+
+
+def _binade_sweep(exponent: int) -> torch.Tensor:
+    """float32 values of one binade (biased exponent ``exponent + 127``; -127 = zero and subnormals), both signs:
+    all 2^14 top-mantissa patterns times low 9-bit patterns {0, 1, 0xFF, 0x100, 0x1FF} (exact ties for every
+    rounding position of formats with up to 13 mantissa bits, and their neighbours)."""
+    hi = torch.arange(1 << 14, dtype=torch.int64) << 9
+    lo = torch.tensor([0, 1, 0xFF, 0x100, 0x1FF], dtype=torch.int64)
+    mant = (hi[:, None] | lo[None, :]).reshape(-1)
+    bits = mant | ((exponent + 127) << 23)
+    bits = torch.cat([bits, bits | (1 << 31)])
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+
+
+def _exponents(fmt: formats.FormatSpec) -> list[int]:
+    sub = range(max(fmt.emin - fmt.mbits - 3, -126), fmt.emin + 2)
+    top = range(max(fmt.emax - 1, -126), min(fmt.emax + 2, 128))
+    return sorted({-127, 0, 1, *sub, *top} - {128})
+
+
+@pytest.mark.parametrize("name", FAST_FORMATS)
+@pytest.mark.parametrize("saturate", [False, True])
+def test_round_nearest_fast_matches_kernel(name: str, saturate: bool) -> None:
+    fmt = formats.get(name)
+    g = torch.Generator().manual_seed(3)
+    rand = torch.randint(-(1 << 31), 1 << 31, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32)
+    rand = rand.view(torch.float32)
+    rand = torch.where(torch.isfinite(rand), rand, 0.0)
+    cases = [_binade_sweep(e) for e in _exponents(fmt)] + [rand * float(2.0 ** -100), rand]
+    checked = 0
+    for v in cases:
+        got = round_nearest_fast(v, fmt, saturate=saturate)
+        expected = quantize_f32(v, fmt, rounding="nearest", saturate=saturate, rbits=None)
+        if got is None:  # only where the values overflow without saturation or C would overflow
+            assert not saturate or v.abs().max() >= 2.0 ** (126 - (24 - fmt.mbits)), name
+            continue
+        assert_bitwise_equal(got, expected, context=f"{name} saturate={saturate}")
+        checked += 1
+    assert checked >= 3
+
+
+def test_round_nearest_fast_declines_nonfinite_and_keeps_input() -> None:
+    fmt = formats.get("float8_e4m3fn")
+    v = torch.tensor([1.0, float("nan")])
+    assert round_nearest_fast(v, fmt, saturate=True) is None
+    assert round_nearest_fast(torch.tensor([float("inf")]), fmt, saturate=True) is None
+    assert round_nearest_fast(torch.tensor([500.0]), fmt, saturate=False) is None  # e4m3fn overflows to NaN
+    w = torch.tensor([500.0, -0.0, -1e-30, 3.3])
+    before = w.clone()
+    out = round_nearest_fast(w.t(), fmt, saturate=True)
+    assert out is not None
+    assert_bitwise_equal(w, before, context="input unchanged")
+    assert_bitwise_equal(out, torch.tensor([448.0, -0.0, -0.0, 3.25]), context="values")
+
+
+def _varied(shape: tuple[int, ...], seed: int, special: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
+    flat = x.view(-1)
+    flat[:6] = torch.tensor([0.0, -0.0, 1e-40, -1e-42, 6.0, -7.0])
+    if special:
+        flat[6:8] = torch.tensor([float("nan"), float("inf")])
+    return x
+
+
+SPECS: list[str | QuantSpec] = [
+    "fp8_e4m3_tensorwise",
+    "fp8_e5m2_tensorwise",
+    "fp8_e4m3_rowwise",
+    "mxfp8_e4m3",
+    "mxfp6_e3m2",
+    "mxfp4",
+    "nvfp4",
+    "fp8_e4m3_1x128",
+    QuantSpec(elem="float8_e4m3fnuz", scaling="tensor"),
+    QuantSpec(elem="bfloat16", scaling="none"),
+    QuantSpec(elem="float8_e5m2", scaling="tensor", saturate=False, margin=-3),
+    QuantSpec(elem="float8_e5m2", scaling="block", block_size=32, axis=0, scale_format="float8_e8m0fnu",
+              scale_rounding="ceil"),
+]
+
+
+def _fast_and_reference(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    fast = fn(*args, **kwargs)
+    with _backend.fast_paths(False):
+        ref = fn(*args, **kwargs)
+    return fast, ref
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("special", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quantize_fast_matches_kernel(spec: str | QuantSpec, special: bool, dtype: torch.dtype) -> None:
+    x = _varied((48, 100), 1, special).to(dtype)
+    for t in (x, x.t()):
+        fast, ref = _fast_and_reference(lowprec.quant.fake_quantize, t, spec)
+        assert_bitwise_equal(fast, ref, context=f"{spec} special={special} {dtype}")
+        assert fast.stride() == ref.stride()
+
+
+@pytest.mark.parametrize("saturate", [False, True])
+def test_tensorwise_fast_matches_kernel(saturate: bool) -> None:
+    """Tensorwise float32 scales with margins, all-zero and tiny tensors, and explicit (delayed) amaxes from zero to
+    far below the tensor's own (scaled values overflow the format)."""
+    x = _varied((32, 64), 2, False)
+    for elem in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"):
+        for margin in (0, 2, -2):
+            spec = QuantSpec(elem=elem, scaling="tensor", saturate=saturate, margin=margin)
+            for amax in (0.0, 1e-45, 1e-3, 1.0, 1e30):
+                fast, ref = _fast_and_reference(fake_quantize_tensors, x, spec, amax=torch.tensor(amax))
+                assert_bitwise_equal(fast, ref, context=f"{elem} amax={amax} margin={margin} saturate={saturate}")
+            for t in (x, x.t(), x * 1e-38, torch.zeros(3, 5), -torch.zeros(3, 5)):
+                fast, ref = _fast_and_reference(fake_quantize_tensors, t, spec)
+                assert_bitwise_equal(fast, ref, context=f"{elem} margin={margin} saturate={saturate}")
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "float6_e2m3fn"])
+@pytest.mark.parametrize("saturate", [False, True])
+@pytest.mark.parametrize("special", [False, True])
+def test_quantize_fast_matches_kernel(fmt: str, saturate: bool, special: bool) -> None:
+    x = _varied((40, 70), 4, special)
+    for t in (x, x * 1e3, x.to(torch.float16)):
+        fast, ref = _fast_and_reference(lowprec.quantize, t, fmt, saturate=saturate)
+        assert_bitwise_equal(fast, ref, context=f"{fmt} saturate={saturate}")
+
+
+# ------------------------------------------------------------------------------------------ shared quantization
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(24, 40)
+        self.fc2 = nn.Linear(40, 16, bias=False)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def _train(model: nn.Module, steps: int) -> list[torch.Tensor]:
+    """Outputs and all gradients of ``steps`` SGD steps (fixed inputs per step)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    got: list[torch.Tensor] = []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(10 + i)
+        x = torch.randn(6, 5, 24, generator=g) * (1 + 10 * i)
+        x.requires_grad_(True)
+        out = model(x)
+        (out.square().sum() + out.sum()).backward()
+        got += [out.detach().clone(), x.grad.clone()]
+        got += [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+    return got
+
+
+def _unshared(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lin_mod, "shares_quantization", lambda first, second: False)
+    import lowprec.nn.functional as fn_mod
+
+    monkeypatch.setattr(fn_mod, "shares_quantization", lambda first, second: False)
+
+
+RECIPES = ["fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "nvfp4", "bf16", "bf16-sr", "mi300-fp8", "fp32"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("fast", [True, False])
+def test_shared_quantization_matches_per_gemm(recipe: str, fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    base = _Net()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    lowprec.convert(a, recipe)
+    lowprec.convert(b, recipe)
+    with _backend.fast_paths(fast):
+        shared = _train(a, 3)
+        _unshared(monkeypatch)
+        per_gemm = _train(b, 3)
+    assert len(shared) == len(per_gemm)
+    for i, (s, p) in enumerate(zip(shared, per_gemm, strict=True)):
+        assert_bitwise_equal(s, p, context=f"{recipe} tensor {i}")
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-rowwise", "nvfp4"])
+def test_shared_quantization_matmul_matches_per_gemm(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(5)
+    a0 = torch.randn(3, 1, 7, 20, generator=g)
+    b0 = torch.randn(4, 20, 9, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        a, b = a0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+        out = lowprec.nn.functional.matmul(a, b, recipe, seed=3)
+        (out * out).sum().backward()
+        return [out.detach(), a.grad, b.grad]  # type: ignore[list-item]
+
+    shared = run()
+    _unshared(monkeypatch)
+    for s, p in zip(shared, run(), strict=True):
+        assert_bitwise_equal(s, p, context=recipe)
+
+
+def test_shares_quantization_rules() -> None:
+    lin = lowprec.recipes.get("fp8-tensorwise").linear
+    share = lin_mod.shares_quantization
+    assert share(lin.forward.a, lin.grad_weight.b) and share(lin.forward.b, lin.grad_input.b)
+    assert share(lin.grad_input.a, lin.grad_weight.a)
+    assert not share(lin.forward.a, lin.grad_input.a)  # e4m3 vs e5m2
+    row = lowprec.recipes.get("fp8-rowwise").linear
+    assert not share(row.forward.a, row.grad_weight.b)  # per-row scales group x and x^T differently
+    sr = lowprec.recipes.get("nvfp4").linear
+    assert not share(sr.grad_input.a, sr.grad_weight.a)  # stochastic: each GEMM draws its own bits
+    fp32 = lowprec.recipes.get("fp32").linear
+    assert share(fp32.forward.a, fp32.grad_weight.b)
+
+
+def test_saved_input_is_quantized_input() -> None:
+    """fp8-tensorwise saves Q(x) (not x) for grad_weight; oracle: fake_quantize of x with the input spec."""
+    torch.manual_seed(0)
+    lin = lowprec.nn.EmulatedLinear.from_linear(nn.Linear(16, 8), lowprec.recipes.get("fp8-tensorwise").linear)
+    x = torch.randn(4, 16, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lin(x)
+    expected = lowprec.quant.fake_quantize(x.detach(), lin.recipe.forward.a.spec)  # type: ignore[arg-type]
+    assert any(t.shape == x.shape and torch.equal(t, expected) for t in saved)
+    assert not any(t.shape == x.shape and torch.equal(t, x.detach()) for t in saved)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "nvfp4"])
+def test_skipped_input_gradient_keeps_weight_gradient(recipe: str) -> None:
+    """A first layer's input needs no gradient, so its grad_input GEMM is skipped; the weight gradient keeps its
+    bits (oracle: the same step with the input requiring a gradient)."""
+    torch.manual_seed(0)
+    base = _Net()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    lowprec.convert(a, recipe)
+    lowprec.convert(b, recipe)
+    x = torch.randn(6, 24)
+    a(x).square().sum().backward()
+    b(x.clone().requires_grad_(True)).square().sum().backward()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert_bitwise_equal(pa.grad, pb.grad, context=f"{recipe} {name}")  # type: ignore[arg-type]
