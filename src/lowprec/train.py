@@ -37,7 +37,7 @@ def _config(path: str, store: str | None) -> RunConfig:
     if store:
         config = RunConfig.from_dict({**config.to_dict(), "store": store}, where=path)
     if config.parallel.strategy == "single":
-        raise ValueError(f"{path}: parallel.strategy is 'single'; set it to 'ddp' to train under torchrun")
+        raise ValueError(f"{path}: parallel.strategy is 'single'; set it to 'ddp', 'fsdp2' or 'hsdp' to train under torchrun")
     return config
 
 
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         config = _config(args.config, args.store)
-        world = init_world(config.parallel.strategy, config.parallel.backend)
+        world = init_world(config.parallel.strategy, config.parallel.backend, config.parallel.mesh_shape)
     except ValueError as e:
         print(f"lowprec: error: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ from ..recipes import Recipe
 DEFAULT_STORE = "lowprec-runs/runs.db"
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine", "linear")
-STRATEGIES = ("single", "ddp", "fsdp2")
+STRATEGIES = ("single", "ddp", "fsdp2", "hsdp")
 BACKENDS = ("auto", "gloo", "nccl")
 FRAMEWORKS = ("torch",)
 
@@ -141,6 +141,8 @@ class ParallelConfig:
     """torchrun elastic restarts: a failed worker group restarts from the newest checkpoint."""
     master_port: int | None = None
     """Rendezvous port on 127.0.0.1 (default: a free one)."""
+    mesh_shape: tuple[int, int] | None = None
+    """"hsdp": (replicas, shards per replica); their product is the world size."""
 
     def __post_init__(self) -> None:
         _check_choice(self.strategy, "parallel.strategy", STRATEGIES)
@@ -149,6 +151,15 @@ class ParallelConfig:
         _check_int(self.max_restarts, "parallel.max_restarts", 0, 100)
         if self.master_port is not None:
             _check_int(self.master_port, "parallel.master_port", 1024, 65535)
+        if self.strategy == "hsdp" or self.mesh_shape is not None:
+            m = self.mesh_shape
+            if self.strategy != "hsdp":
+                raise ValueError(f"parallel.mesh_shape is for strategy 'hsdp'; got strategy {self.strategy!r}")
+            if not (isinstance(m, tuple) and len(m) == 2 and all(isinstance(v, int) and v >= 1 for v in m)):
+                raise ValueError(f"parallel.mesh_shape must be [replicas, shards] (two integers >= 1); got {m!r}")
+            if m[0] * m[1] != self.world_size:
+                raise ValueError(f"parallel.mesh_shape {list(m)} has {m[0] * m[1]} ranks but parallel.world_size "
+                                 f"is {self.world_size}: make replicas x shards equal the world size")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,8 @@ class World:
     rank: int = 0
     size: int = 1
     strategy: str = "single"
+    mesh_shape: tuple[int, int] | None = None
+    """"hsdp": (replicas, shards)."""
 
     @property
     def is_main(self) -> bool:
@@ -102,11 +104,19 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
     def sync() -> None:
         sync_amax_histories(unwrap(wrapped))
 
-    if world.strategy == "fsdp2":
+    if world.strategy in ("fsdp2", "hsdp"):
         if recipe.weights.update != "master":
-            raise ValueError(f"parallel.strategy 'fsdp2' needs float32 master weights (Weights.update = 'master'); "
-                             f"recipe {recipe.name!r} stores weights with update {recipe.weights.update!r}: use 'ddp'")
-        wrapped = shard_model(model, recipe)
+            raise ValueError(f"parallel.strategy {world.strategy!r} needs float32 master weights (Weights.update = "
+                             f"'master'); recipe {recipe.name!r} stores weights with update "
+                             f"{recipe.weights.update!r}: use 'ddp'")
+        if world.strategy == "hsdp":  # replicate over mesh dim 0, shard over dim 1; float32 gathers
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            mesh = init_device_mesh(device, world.mesh_shape or (1, world.size), mesh_dim_names=("replicate", "shard"))
+            wrapped = shard_model(model, recipe, mesh=mesh, lowp_all_gather=False)
+        else:
+            wrapped = shard_model(model, recipe)
         return Wrapped(wrapped, lambda: allgather_bytes(wrapped, reset=True), sync)
     from torch.nn.parallel import DistributedDataParallel
 
@@ -129,7 +139,7 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_WORLD_SIZE" in os.environ
 
 
-def init_world(strategy: str, backend: str = "auto") -> World:
+def init_world(strategy: str, backend: str = "auto", mesh_shape: tuple[int, int] | None = None) -> World:
     """Initialise the default process group from torchrun's environment (idempotent)."""
     if not launched_by_torchrun():
         raise ValueError(f"parallel.strategy {strategy!r} needs torchrun: use `lowprec run CONFIG` (it launches "
@@ -139,7 +149,11 @@ def init_world(strategy: str, backend: str = "auto") -> World:
         if chosen == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(chosen)
-    return World(rank=dist.get_rank(), size=dist.get_world_size(), strategy=strategy)
+    world = World(rank=dist.get_rank(), size=dist.get_world_size(), strategy=strategy, mesh_shape=mesh_shape)
+    if mesh_shape is not None and mesh_shape[0] * mesh_shape[1] != world.size:
+        raise ValueError(f"parallel.mesh_shape {list(mesh_shape)} does not match the {world.size} processes "
+                         "torchrun started")
+    return world
 
 
 def resolve_backend(backend: str) -> str:

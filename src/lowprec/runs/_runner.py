@@ -75,7 +75,7 @@ class _State:
 def _full_state(st: _State) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state with full, unsharded tensors (a collective under FSDP2: every rank calls it)."""
     opt = st.optimizer.state_dict()
-    if st.world.strategy != "fsdp2":
+    if st.world.strategy not in ("fsdp2", "hsdp"):
         return unwrap(st.model).state_dict(), opt
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -89,7 +89,7 @@ def _full_state(st: _State) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _load_full_state(st: _State, model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> None:
-    if st.world.strategy != "fsdp2":
+    if st.world.strategy not in ("fsdp2", "hsdp"):
         unwrap(st.model).load_state_dict(model_sd)
         st.optimizer.load_state_dict(opt_sd)
         return

@@ -48,7 +48,10 @@ def check_parity(config: Any, *, store: Any, against: str = "single", world_size
 
     config = dataclasses.replace(config, seeds=config.seeds[:1])
     size = 1 if against == "single" else (world_size or config.parallel.world_size)
-    ref_par = ParallelConfig(**{**dataclasses.asdict(config.parallel), "strategy": against, "world_size": size})
+    fields = {**dataclasses.asdict(config.parallel), "strategy": against, "world_size": size}
+    if against != "hsdp":
+        fields["mesh_shape"] = None
+    ref_par = ParallelConfig(**fields)
     if ref_par == config.parallel:
         raise ValueError(f"--against {against!r} is the config's own layout; pick another strategy or world size")
     (rid,) = run_config(config, store=store, progress=progress)
