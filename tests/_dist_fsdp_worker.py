@@ -147,7 +147,9 @@ def main() -> None:
         t0 = time.perf_counter()
         results.append(run_case(recipe, mode, rank))
         results[-1]["seconds"] = round(time.perf_counter() - t0, 3)
-    print("FSDP_JSON " + json.dumps({"rank": rank, "cases": results}), flush=True)
+    # one file per rank: two ranks printing long lines to one pipe can interleave them
+    with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "cases": results}, f)
     dist.barrier()
     dist.destroy_process_group()
 

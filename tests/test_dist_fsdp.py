@@ -43,7 +43,7 @@ LOSSY_GATHER_LOSS_REL = 1e-2
 def dist_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out = tmp_path_factory.mktemp("fsdp")
     p = torchrun(WORKER, str(out), json.dumps(CASES), nproc=2, timeout=240)
-    ranks = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("FSDP_JSON ")]
+    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     assert sorted(r["rank"] for r in ranks) == [0, 1], p.stdout[-3000:] + p.stderr[-3000:]
     by_rank = {r["rank"]: {(c["recipe"], c["mode"]): c for c in r["cases"]} for r in ranks}
     return {"ranks": by_rank, "dir": out}

@@ -602,3 +602,23 @@ def test_matmul_accepts_linear_recipe() -> None:
     a, b, _ = _ab(4, 8, 3, seed=6)
     out = matmul(a, b, lin)
     assert_bitwise_equal(out, (a @ b).to(torch.bfloat16).float(), context="bf16 output rounding")
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "bf16-sr"])
+def test_eval_mode_never_changes_training_state(recipe: str) -> None:
+    """Oracle: the module's own buffers before and after.  Evaluating (model.eval()) records no amax history and
+    advances no stochastic-rounding step, so a run that evaluates trains exactly like one that does not."""
+    torch.manual_seed(0)
+    m = lowprec.convert(torch.nn.Sequential(torch.nn.Linear(16, 8)), recipe)
+    x = torch.randn(4, 16)
+    m(x).sum().backward()  # one training step fills the state
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    m.eval()
+    with torch.no_grad():
+        y1, y2 = m(x * 3), m(x * 3)
+    m.train()
+    after = m.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    assert torch.equal(y1, y2)  # and evaluation is deterministic

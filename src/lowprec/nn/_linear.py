@@ -160,7 +160,8 @@ class _LinearFn(torch.autograd.Function):
         ctx.save_for_backward(qx if ctx.share_x else x2, qw if ctx.share_w else w)
         ctx.info, ctx.amax, ctx.has_bias = info, amax, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+        out = y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])  # 2-D: no view (FSDP2 hooks need that)
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -263,7 +264,8 @@ class EmulatedLinear(nn.Linear):
         """For each delayed role in ``tensors``: the amax to scale with now, and record the current amax.
 
         The scale uses the history of previous steps (max, or the most recent entry); on the first step, when the
-        history is still empty (all zero), the current amax is used.
+        history is still empty (all zero), the current amax is used.  In eval mode nothing is recorded: evaluating
+        a model never changes how it trains.
         """
         out: dict[str, torch.Tensor] = {}
         for role, t in tensors.items():
@@ -274,14 +276,16 @@ class EmulatedLinear(nn.Linear):
                 current = t.abs().amax() if t.numel() else t.new_zeros(())
                 past = hist.amax() if self._algorithm[role] == "max" else hist[0]
                 out[role] = torch.where(past > 0, past, current)
-                hist.copy_(torch.cat([current.reshape(1), hist[:-1]]))
+                if self.training:
+                    hist.copy_(torch.cat([current.reshape(1), hist[:-1]]))
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         keys = None
         if self._stochastic:
-            with torch.no_grad():
-                self.lp_step += 1
+            if self.training:  # eval reuses the current step's streams: it never advances training state
+                with torch.no_grad():
+                    self.lp_step += 1
             dev = self.lp_step.device
             keys = {k: _random.derive_keys(base.to(dev), self.lp_step) for k, base in self._base_keys.items()}
         return _LinearFn.apply(x, self.weight, self.bias, _Ctx(self, keys))  # type: ignore[no-any-return]
