@@ -72,11 +72,22 @@ def launch(config: RunConfig, *, seed: int, batch_size: int, store: RunStore, re
     known = {r.run_id: r for r in store.list_runs()}
     if rc == 0 and run_id in known and known[run_id].status == "completed":
         return run_id
-    reasons = [f"rank {e['payload'].get('rank')}: {e['payload'].get('error')}"
-               for e in (store.events(run_id, kind="rank_failure") if run_id in known else [])]
-    reason = f"torchrun exited with status {rc}" + (f" ({'; '.join(reasons[-2:])})" if reasons else "")
-    if run_id in known:
-        rec = known[run_id]
-        if rec.status != "completed":
-            store.finish_run(run_id, status="failed", error=rec.error or reason)
-    raise RunFailed(f"run {run_id} failed: {(known[run_id].error if run_id in known else None) or reason}")
+    if run_id not in known:
+        raise RunFailed(f"run {run_id} failed: torchrun exited with status {rc} before the run was recorded "
+                        "(see the workers' output above)")
+    reason = _failure_reason(store, run_id, known[run_id].error, rc)
+    if known[run_id].status != "completed":
+        store.finish_run(run_id, status="failed", error=reason)
+    raise RunFailed(f"run {run_id} failed: {reason}")
+
+
+def _failure_reason(store: RunStore, run_id: str, main_error: str | None, rc: int) -> str:
+    """Every rank's recorded reason, root causes first: a rank that lost its peer ("Connection closed by peer",
+    a consequence of another rank's crash) is listed after the ranks that failed on their own."""
+    found = [(e["payload"].get("rank"), e["payload"].get("error")) for e in store.events(run_id, kind="rank_failure")]
+    if main_error:
+        found.append((0, main_error))
+    consequence = ("Connection closed by peer", "remote worker crashing", "Connection reset")
+    found.sort(key=lambda re: any(c in str(re[1]) for c in consequence))
+    parts = [f"rank {r}: {e}" for r, e in found]
+    return "; ".join(parts) if parts else f"torchrun exited with status {rc}"
