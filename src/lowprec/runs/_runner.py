@@ -16,19 +16,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..nn import convert
 from ..optim import LowPrecisionOptimizer
-from ._checkpoint import checkpoint_dir, latest_valid, list_checkpoints, save_checkpoint
+from ._checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint, save_checkpoint
 from ._config import RunConfig
 from ._manifest import build_manifest
 from ._parallel import World, Wrapped, unwrap, wrap_model
 from ._progress import Progress
 from ._store import RunStore
 from .zoo import Task, get_task
+
+SHARDED = ("fsdp2", "hsdp")
+"""Layouts whose checkpoints are sharded (torch.distributed.checkpoint)."""
 
 
 def build_task(config: RunConfig, seed: int) -> Task:
@@ -73,23 +77,12 @@ class _State:
 
 
 def _full_state(st: _State) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(model, optimizer) state with full, unsharded tensors (a collective under FSDP2: every rank calls it)."""
-    opt = st.optimizer.state_dict()
-    if st.world.strategy not in ("fsdp2", "hsdp"):
-        return unwrap(st.model).state_dict(), opt
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    o = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    opt["optimizer"] = get_optimizer_state_dict(st.model, st.optimizer.optimizer, options=o)
-    return get_model_state_dict(st.model, options=o), opt
+    """(model, optimizer) state of an unsharded layout (single process or DDP replicas)."""
+    return unwrap(st.model).state_dict(), st.optimizer.state_dict()
 
 
 def _load_full_state(st: _State, model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> None:
-    if st.world.strategy not in ("fsdp2", "hsdp"):
+    if st.world.strategy not in SHARDED:
         unwrap(st.model).load_state_dict(model_sd)
         st.optimizer.load_state_dict(opt_sd)
         return
@@ -105,42 +98,68 @@ def _load_full_state(st: _State, model_sd: dict[str, Any], opt_sd: dict[str, Any
     st.optimizer.load_state_dict({**opt_sd, "optimizer": None})
 
 
+
 def _checkpoint(config: RunConfig, run_id: str, st: _State) -> None:
-    """Rank 0 saves the full, unsharded state (DDP replicas are identical; FSDP2 shards are gathered), so a run
-    resumes on any world size and layout."""
-    model_sd, opt_sd = _full_state(st)
-    if not st.world.is_main:
+    """Single/DDP: rank 0 saves the full state (replicas are identical) in one checksummed file.  FSDP2/HSDP: every
+    rank saves its shards with torch.distributed.checkpoint.  Either kind resumes on any world size and layout."""
+    directory = checkpoint_dir(config.store, run_id)
+    extra = {"run_id": run_id, "step": st.step, "torch_rng": torch.get_rng_state(), "config": config.to_dict(),
+             "world_size": st.world.size}
+    if st.world.strategy in SHARDED:
+        from ._dcp import save_sharded
+
+        save_sharded(directory, st.step, st.model, st.optimizer, extra, keep=config.checkpoint.keep,
+                     is_main=st.world.is_main)
         return
-    state = {
-        "run_id": run_id,
-        "step": st.step,
-        "model": model_sd,
-        "optimizer": opt_sd,
-        "torch_rng": torch.get_rng_state(),
-        "config": config.to_dict(),
-        "world_size": st.world.size,
-    }
-    save_checkpoint(checkpoint_dir(config.store, run_id), st.step, state, keep=config.checkpoint.keep)
+    model_sd, opt_sd = _full_state(st)
+    if st.world.is_main:
+        save_checkpoint(directory, st.step, {**extra, "model": model_sd, "optimizer": opt_sd},
+                        keep=config.checkpoint.keep)
+
+
+def _pick_checkpoint(directory: Path) -> tuple[int, str, Path | None, list[str]]:
+    """The newest checkpoint that verifies: (step, "file" | "sharded" | "none", path, problems with newer ones)."""
+    from ._dcp import list_sharded, verify
+
+    found = [(step, "file", p) for step, p in list_checkpoints(directory)]
+    found += [(step, "sharded", p) for step, p in list_sharded(directory)]
+    problems: list[str] = []
+    for step, kind, path in sorted(found, reverse=True):
+        try:
+            load_checkpoint(path) if kind == "file" else verify(path)
+            return step, kind, path, problems
+        except ValueError as e:
+            problems.append(str(e))
+    if found:
+        raise ValueError(f"no usable checkpoint in {str(directory)!r} ({'; '.join(problems)}); the run cannot be "
+                         "resumed")
+    return 0, "none", None, problems
 
 
 def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore) -> None:
-    directory = checkpoint_dir(config.store, run_id)
-    step, state = 0, None
-    if list_checkpoints(directory):  # else: stopped before its first checkpoint, start it again
-        step, state, problems = latest_valid(directory)
-        for p in problems if st.world.is_main else []:
-            print(f"lowprec: warning: skipping {p}")
+    from ._dcp import load_sharded
+
+    picked = _pick_checkpoint(checkpoint_dir(config.store, run_id)) if st.world.is_main else None
+    step, kind, path, problems = st.world.broadcast(picked)
+    for p in problems if st.world.is_main else []:
+        print(f"lowprec: warning: skipping {p}")
+    state: dict[str, Any] | None = None
+    if kind == "file":
+        state = load_checkpoint(path)
+        _load_full_state(st, state["model"], state["optimizer"])
+    elif kind == "sharded":
+        state = load_sharded(path, st.model if st.world.strategy in SHARDED else unwrap(st.model), st.optimizer)
     if state is not None:
         if state.get("run_id") != run_id:
             raise ValueError(f"checkpoint of step {step} belongs to run {state.get('run_id')!r}, not {run_id!r}")
-        _load_full_state(st, state["model"], state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         st.step = int(state["step"])
     if st.world.is_main:
         store.reopen_run(run_id, from_step=st.step)
         store.add_event(run_id, step=st.step, kind="resumed",
                         payload={"from_step": st.step, "world_size": st.world.size,
-                                 "checkpoint_world_size": (state or {}).get("world_size")})
+                                 "checkpoint_world_size": (state or {}).get("world_size"),
+                                 "checkpoint": kind})
 
 
 def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
