@@ -19,8 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowprec
-from lowprec.distributed._fsdp import allgather_bytes, allgather_stats, amax_histories, shard_model, \
-    sync_amax_histories
+from lowprec.distributed._fsdp import allgather_bytes, allgather_stats, amax_histories, shard_model, sync_amax_histories
 from lowprec.quant import QuantSpec, dequantize, quantize_scaled
 
 STEPS = 4

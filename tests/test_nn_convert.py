@@ -26,8 +26,6 @@ from lowprec.recipes import Gemm, LinearRecipe, Recipe
 from lowprec.testing import TOLERANCES, assert_bitwise_equal, sqnr_db
 
 
-
-
 # ------------------------------------------------------------------------------------------------ models
 class Attn(nn.Module):
     def __init__(self, d: int) -> None:

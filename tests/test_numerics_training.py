@@ -35,9 +35,6 @@ from lowprec.recipes import (
 )
 from lowprec.testing import TOLERANCES, assert_bitwise_equal
 
-
-
-
 # ================================================================================================ delayed scaling
 E4M3_MAX = 448.0  # float8_e4m3fn: 1.75 * 2^8 (OCP FP8 spec)
 

@@ -16,8 +16,6 @@ from lowprec.testing import SQNR_FLOORS, assert_bitwise_equal, sqnr_db
 from lowprec.testing._models import TinyBlock
 
 
-
-
 def _linear_case(recipe: str, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     torch.manual_seed(seed)
     ref = torch.nn.Sequential(torch.nn.Linear(128, 64))

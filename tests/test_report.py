@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_judge import make_run
 
 from lowprec.runs._baseline import build_baseline
 from lowprec.runs._judge import judge
 from lowprec.runs._report import flatten, manifest_diff, write_report
-from test_judge import make_run
 
 HOSTILE = '<script>alert("x")</script> & co'
 SVG_NS = "{http://www.w3.org/2000/svg}"

@@ -22,7 +22,7 @@ from lowprec import recipes
 from lowprec.cli import main
 from lowprec.runs._checkpoint import checkpoint_dir, list_checkpoints
 from lowprec.runs._config import CheckpointConfig, RunConfig
-from lowprec.runs._runner import resume_run, run_config, train
+from lowprec.runs._runner import resume_run, run_config
 from lowprec.runs._store import RunStore
 from lowprec.runs.zoo import get_task
 

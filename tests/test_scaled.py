@@ -18,11 +18,9 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.testing import assert_bitwise_equal
 from lowprec import QuantSpec
 from lowprec.formats import FormatSpec
-
-
+from lowprec.testing import assert_bitwise_equal
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.testing import assert_bitwise_equal
 from lowprec.quant import _random
+from lowprec.testing import assert_bitwise_equal
 
 DELTA = 1e-9
 _L = math.log(2.0 / DELTA)

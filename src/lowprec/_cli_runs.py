@@ -81,7 +81,8 @@ def _run_line(rec: Any, store: Any) -> str:
     sc = store.scalars(rec.run_id)
     evals = "  ".join(f"{k[5:]}={_last(sc, k)}" for k in sorted(sc) if k.startswith("eval/"))
     steps = int(sc["train/loss"][0][-1]) if "train/loss" in sc and len(sc["train/loss"][0]) else 0
-    return f"{rec.run_id}  {rec.status:<9} {steps:>6}  {rec.name:<40} train loss {_last(sc, 'train/loss')}  eval {evals}"
+    loss = _last(sc, "train/loss")
+    return f"{rec.run_id}  {rec.status:<9} {steps:>6}  {rec.name:<40} train loss {loss}  eval {evals}"
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:

@@ -37,7 +37,8 @@ def _config(path: str, store: str | None) -> RunConfig:
     if store:
         config = RunConfig.from_dict({**config.to_dict(), "store": store}, where=path)
     if config.parallel.strategy == "single":
-        raise ValueError(f"{path}: parallel.strategy is 'single'; set it to 'ddp', 'fsdp2' or 'hsdp' to train under torchrun")
+        raise ValueError(f"{path}: parallel.strategy is 'single'; set it to 'ddp', 'fsdp2' or 'hsdp' to train "
+                         "under torchrun")
     return config
 
 

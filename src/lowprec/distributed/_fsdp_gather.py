@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from ..quant import QuantSpec, dequantize, quantize_scaled
-from ..quant import _codec
+from ..quant import QuantSpec, _codec, dequantize, quantize_scaled
 from ..quant._round import quantize_f32
 from ..quant._scale import group_scale, uses_multiplier
 

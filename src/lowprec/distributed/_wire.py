@@ -30,8 +30,7 @@ import math
 import torch
 
 from .. import formats
-from ..quant import QuantSpec, dequantize, quantize, quantize_scaled
-from ..quant import _codec
+from ..quant import QuantSpec, _codec, dequantize, quantize, quantize_scaled
 from ..quant._scale import group_scale, uses_multiplier
 from ..quant._scaled import TwoLevelScales
 

@@ -87,7 +87,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, recipe: Recipe | LinearRecipe | str
     if not isinstance(recipe, LinearRecipe):
         raise ValueError(f"recipe must be a Recipe, a recipe name or a LinearRecipe; got {type(recipe).__name__}")
     if a.dim() < 2 or b.dim() < 2:
-        raise ValueError(f"matmul needs a and b with at least 2 dimensions; got shapes {tuple(a.shape)}, {tuple(b.shape)}")
+        raise ValueError(f"matmul needs a and b with at least 2 dimensions; got shapes {tuple(a.shape)}, "
+                         f"{tuple(b.shape)}")
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul shapes do not match: a {tuple(a.shape)} @ b {tuple(b.shape)}")
     lin = LinearRecipe(forward=_current(recipe.forward), grad_input=_current(recipe.grad_input),

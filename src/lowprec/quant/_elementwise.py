@@ -18,8 +18,9 @@ float32 route: with ``step = 2^(max(E, emin) - M)`` the grid spacing at ``v`` (`
 
 because ``v + C`` lies in ``[2^23 step, 2^24 step)``: ``|v| < 2^(max(E, emin) + 1) = 2^(M+1) step``, which is at
 most ``2^22 step`` for ``M <= 21`` (the route is used for ``M <= 20``), so this holds for negative ``v`` too.  That
-binade's float32 spacing is exactly ``step``, so float32's own ties-to-even addition does the rounding (``C / step = 1.5 * 2^23`` is even, so parity is that of the result); the subtraction is exact.  ``C`` is
-built from the exponent bits of ``v`` (``bits & 0x7F800000`` is ``2^E`` as a float, 0 for float32 subnormals) times
+binade's float32 spacing is exactly ``step``, so float32's own ties-to-even addition does the rounding
+(``C / step = 1.5 * 2^23`` is even, so parity is that of the result); the subtraction is exact.  ``C`` is built
+from the exponent bits of ``v`` (``bits & 0x7F800000`` is ``2^E`` as a float, 0 for float32 subnormals) times
 ``1.5 * 2^(23 - M)``, clamped below at ``1.5 * 2^(23 + emin - M)`` (the format's subnormal step).  Zero results
 come out as +0 and get ``v``'s sign back with ``copysign``.  It is used only when every ``|v|`` is finite and small
 enough for ``C`` not to overflow, for signed float formats with round-to-nearest, and only eagerly (the compiled

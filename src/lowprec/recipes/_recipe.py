@@ -240,7 +240,9 @@ class Recipe:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Recipe.name must be a non-empty string; got {self.name!r}")
         if not isinstance(self.overrides, tuple):
-            raise ValueError(f"Recipe.overrides must be a tuple of (pattern, LinearRecipe) pairs; got {self.overrides!r}")
+            raise ValueError(
+                f"Recipe.overrides must be a tuple of (pattern, LinearRecipe) pairs; got {self.overrides!r}"
+            )
         for i, item in enumerate(self.overrides):
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                     and isinstance(item[1], LinearRecipe)):

@@ -10,4 +10,14 @@ from .tolerances import SQNR_FLOORS as SQNR_FLOORS
 from .tolerances import TOLERANCES as TOLERANCES
 from .tolerances import Tolerance as Tolerance
 
-__all__ = ["ParityResult", "SQNR_FLOORS", "TOLERANCES", "Tolerance", "assert_bitwise_equal", "check_parity", "free_port", "sqnr_db", "torchrun"]
+__all__ = [
+    "SQNR_FLOORS",
+    "TOLERANCES",
+    "ParityResult",
+    "Tolerance",
+    "assert_bitwise_equal",
+    "check_parity",
+    "free_port",
+    "sqnr_db",
+    "torchrun",
+]
