@@ -40,7 +40,7 @@ def main() -> None:
                             store=store_path)
             train(cfg, seed=0, store=store, world=world, progress=False)
         for strategy in ("ddp", "fsdp2"):
-            for r in ("fp32", "fp8-delayed"):
+            for r in ("fp32", "fp8-delayed", "bf16-sr", "bf16-kahan"):
                 cfg = RunConfig(model="mlp-digits", steps=30, eval_interval=10, threads=1, recipe=recipes.get(r),
                                 parallel=ParallelConfig(strategy=strategy, world_size=2), store=store_path,
                                 group=f"{'plain' if strategy == 'ddp' else strategy}/{r}")

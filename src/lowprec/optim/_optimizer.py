@@ -34,6 +34,23 @@ from ._scaler import LossScaler
 _STATE_SPEC = {"exp_avg": "exp_avg", "momentum_buffer": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
+def _local(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``p`` and 0, or for a sharded DTensor (FSDP2) its local shard and the flat index of the shard's first element
+    in the full parameter: stochastic-rounding draws are indexed by global element, so they do not depend on how
+    (or whether) the parameter is sharded.  Shards are contiguous row blocks (FSDP2 shards dim 0)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return p, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    row = 1
+    for n in p.shape[1:]:
+        row *= n
+    return p.to_local(), int(offset[0]) * row if offset else 0
+
+
 class LowPrecisionOptimizer:
     """Wraps ``optimizer`` with ``recipe``'s policies.  Use ``scale_loss(loss).backward()`` then ``step()``."""
 
@@ -49,9 +66,10 @@ class LowPrecisionOptimizer:
         if w.update != "master":
             with torch.no_grad():
                 for i, p in enumerate(self._params()):
-                    p.copy_(quantize(p, w.format))  # weights start on the storage grid
+                    local, _ = _local(p)
+                    local.copy_(quantize(local, w.format))  # weights start on the storage grid
                     if w.update == "kahan":
-                        self.compensation[i] = torch.zeros_like(p)
+                        self.compensation[i] = torch.zeros_like(local)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -95,12 +113,14 @@ class LowPrecisionOptimizer:
 
     def _apply_weight_policy(self, params: list[torch.Tensor], before: list[torch.Tensor]) -> None:
         w = self.recipe.weights
-        for i, (p, old) in enumerate(zip(params, before, strict=True)):
+        for i, (param, old_param) in enumerate(zip(params, before, strict=True)):
+            p, offset = _local(param)  # a sharded (FSDP2) parameter: this rank's shard, at its global offset
+            old, _ = _local(old_param)
             if w.update == "nearest":
                 p.copy_(quantize(p, w.format))
             elif w.update == "stochastic":
                 seed = stream_seed(self.recipe.seed, "weight-update", str(self.steps), str(i))
-                p.copy_(quantize(p, w.format, rounding="stochastic", seed=seed))
+                p.copy_(quantize(p, w.format, rounding="stochastic", seed=seed, offset=offset))
             else:  # kahan
                 c = self.compensation[i]
                 y = (p - old) - c  # the update, minus the error carried from the last step

@@ -105,10 +105,6 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
         sync_amax_histories(unwrap(wrapped))
 
     if world.strategy in ("fsdp2", "hsdp"):
-        if recipe.weights.update != "master":
-            raise ValueError(f"parallel.strategy {world.strategy!r} needs float32 master weights (Weights.update = "
-                             f"'master'); recipe {recipe.name!r} stores weights with update "
-                             f"{recipe.weights.update!r}: use 'ddp'")
         if world.strategy == "hsdp":  # replicate over mesh dim 0, shard over dim 1; float32 gathers
             from torch.distributed.device_mesh import init_device_mesh
 
