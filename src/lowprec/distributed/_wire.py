@@ -59,7 +59,7 @@ def resolve_spec(spec: object, rounding: object = None) -> QuantSpec:
     if not isinstance(spec, QuantSpec):
         raise ValueError(f"spec must be a QuantSpec or a spec/format name; got {type(spec).__name__}")
     if rounding is not None:
-        spec = dataclasses.replace(spec, rounding=rounding)  # QuantSpec validates the value, naming the field
+        spec = dataclasses.replace(spec, rounding=rounding)  # type: ignore[arg-type]  # QuantSpec validates it
     if spec.scaling not in _SUPPORTED_SCALINGS:
         raise ValueError(
             f"QuantSpec.scaling={spec.scaling!r} does not fit a gradient bucket (a flat 1-D buffer); use 'none', "

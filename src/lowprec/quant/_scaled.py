@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import torch
 
@@ -42,7 +42,7 @@ class TwoLevelScales(NamedTuple):
     tensor: torch.Tensor
 
 
-Scales = torch.Tensor | TwoLevelScales
+Scales: TypeAlias = torch.Tensor | TwoLevelScales
 
 
 def _amax(g: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

@@ -235,7 +235,9 @@ def build_baseline(name: str, runs: list[RunData], *, criteria: Criteria | None 
         raise ValueError(f"a baseline needs runs of >= 2 seeds (seed-to-seed noise is what it measures); "
                          f"got {len(runs)}")
     first = runs[0]
-    seeds, finals_rows, curves = [], [], []
+    seeds: list[int] = []
+    finals_rows: list[list[float]] = []
+    curves: list[tuple[np.ndarray, np.ndarray]] = []
     metrics = first.manifest.get("metrics")
     if not isinstance(metrics, dict) or not metrics or any(v not in DIRECTIONS for v in metrics.values()):
         raise ValueError(f"run {first.label}: manifest['metrics'] must map metric names to 'min' or 'max'; "

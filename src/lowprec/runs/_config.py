@@ -277,7 +277,7 @@ class RunConfig:
             v = getattr(self, f.name)
             if f.name == "recipe":
                 v = v.to_dict()
-            elif dataclasses.is_dataclass(v):
+            elif dataclasses.is_dataclass(v) and not isinstance(v, type):
                 v = {k: list(x) if isinstance(x, tuple) else x for k, x in dataclasses.asdict(v).items()}
             elif isinstance(v, tuple):
                 v = list(v)

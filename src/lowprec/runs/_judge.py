@@ -137,7 +137,7 @@ def _divergence(b: Baseline, runs: list[RunData]) -> CriterionResult:
         if got is not None:
             hits[r.run_id] = {"run": r.name, "step": got[0], "what": got[1]}
     if hits:
-        first = min(hits.values(), key=lambda h: h["step"])
+        first = min(hits.values(), key=lambda h: int(h["step"]))  # type: ignore[call-overload]
         reason = "; ".join(f"{h['run']!r} ({rid}) at step {h['step']}: {h['what']}" for rid, h in hits.items())
         return CriterionResult(name="divergence", passed=False, reason="diverged: " + reason,
                                values={"step": first["step"], "runs": hits})
@@ -208,7 +208,7 @@ def _finals(b: Baseline, runs: list[RunData]) -> list[CriterionResult]:
         direction = b.metrics[m]
         base = b.finals[m]
         got = {r.run_id: final_value(r, m) for r in runs}
-        missing = [r.run_id for r in runs if got[r.run_id] is None or got[r.run_id][0] != planned_steps(r)]
+        missing = [r.run_id for r in runs if (g := got[r.run_id]) is None or g[0] != planned_steps(r)]
         ys = np.asarray([g[1] for g in got.values() if g is not None], dtype=np.float64)
         if missing or not np.isfinite(ys).all():
             out.append(CriterionResult(name=name, passed=False, values={"missing": missing},

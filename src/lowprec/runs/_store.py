@@ -445,7 +445,7 @@ class RunStore:
         """Runs, newest first, optionally only one group and/or one (shown) status."""
         if status is not None and status not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
-        sql, args = f"SELECT {self._COLUMNS} FROM runs", ()
+        sql, args = f"SELECT {self._COLUMNS} FROM runs", tuple[str, ...]()
         if group is not None:
             sql, args = sql + " WHERE grp = ?", (group,)
         rows = self._read(lambda c: c.execute(sql + " ORDER BY created_at DESC, rowid DESC", args).fetchall())
@@ -537,7 +537,8 @@ class RunStore:
 
         def fetch(c: sqlite3.Connection) -> list[tuple[int, str, str]]:
             rid = self._resolve(c, run_id)
-            sql, args = "SELECT step, kind, payload FROM events WHERE run_id = ?", (rid,)
+            args: tuple[str, ...] = (rid,)
+            sql = "SELECT step, kind, payload FROM events WHERE run_id = ?"
             if kind is not None:
                 sql, args = sql + " AND kind = ?", (rid, kind)
             return c.execute(sql + " ORDER BY step, event_id", args).fetchall()

@@ -122,7 +122,8 @@ def line_chart(*, lines: Sequence[Line], bands: Sequence[Band] = (), title: str,
     """One ``<svg>`` with ``bands`` (shaded, drawn first) and ``lines`` over them, axes, ticks and a legend.
 
     ``y_range`` default: the finite values of everything drawn, padded by 5%."""
-    xs = [np.asarray(s.x, dtype=np.float64) for s in (*lines, *bands)]
+    drawn: list[Line | Band] = [*lines, *bands]
+    xs = [np.asarray(s.x, dtype=np.float64) for s in drawn]
     ally = [np.asarray(v, dtype=np.float64) for s in lines for v in (s.y,)]
     ally += [np.asarray(v, dtype=np.float64) for b in bands for v in (b.lo, b.hi)]
     fx = np.concatenate(xs) if xs else np.zeros(1)
