@@ -118,3 +118,86 @@ def test_quantize_errors_match_torch() -> None:
         lj.quantize(x, "bfloat16", rounding="stochastic")
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         lj.quantize(jnp.zeros(4, jnp.int32), "bfloat16")
+
+
+# ------------------------------------------------------------------------------------------------------ scaled
+# NaN payloads: where a group holds NaN/inf its scale is NaN and the group dequantizes to NaN on both sides, but
+# which NaN (sign, payload) comes out of x86's and XLA's NaN propagation differs; those positions must be NaN on
+# both sides, every other bit identical.
+_CUSTOM = {
+    "bf16_axis0_margin": QuantSpec(elem="float8_e5m2", scaling="axis", axis=0, scale_format="bfloat16", margin=2),
+    "e8m0_ceil_block12_axis0": QuantSpec(elem="float6_e2m3fn", scaling="block", block_size=12, axis=0,
+                                         scale_format="float8_e8m0fnu", scale_rounding="ceil", saturate=False),
+    "e4m3_floor_tile_2x16": QuantSpec(elem="int8_mx", scaling="tile", tile=(2, 16), scale_format="float8_e4m3fn",
+                                      scale_rounding="floor", rounding="toward_zero"),
+    "none_e3m4": QuantSpec(elem="e3m4", scaling="none"),
+    "e8m0_nearest_margin": QuantSpec(elem="float4_e2m1fn", scaling="block", block_size=32,
+                                     scale_format="float8_e8m0fnu", scale_rounding="nearest", margin=-3),
+}
+_SPECS = {n: QuantSpec.named(n) for n in QuantSpec.names()} | _CUSTOM
+_STOCHASTIC = ("mxfp4", "nvfp4", "fp8_e4m3_tensorwise", "fp8_e5m2_rowwise")
+
+
+def _scaled_input() -> np.ndarray:
+    x = _inputs(1, 1600)[: 43 * 70].reshape(43, 70)  # every block, tile and row ragged
+    x[40:] = np.abs(x[40:]) * np.float32(2.0**-140)  # rows of subnormals only
+    x[:, 66:] = 0.0  # all-zero groups
+    return x
+
+
+def _same_nan(ref: np.ndarray, got: np.ndarray, what: str) -> None:
+    both = np.isnan(ref) & np.isnan(got)
+    _assert_same(np.where(both, 0, ref), np.where(both, 0, got), "float32", what)
+
+
+@pytest.mark.parametrize("name", list(_SPECS))
+def test_scaled_bits_match_torch(name: str) -> None:
+    import dataclasses
+
+    spec = _SPECS[name]
+    if name in _STOCHASTIC:
+        spec = dataclasses.replace(spec, rounding="stochastic")
+    x = _scaled_input()
+    kw = dict(seed=12345, offset=17) if spec.rounding == "stochastic" else {}
+    ref = lowprec.fake_quantize(torch.from_numpy(x), spec, **kw).numpy()
+    storable = spec.format.name in formats.names()
+
+    @jax.jit
+    def run(v):
+        fq = lj.fake_quantize(v, spec, **kw)
+        if not storable:
+            return fq, fq
+        codes, scales = lj.quantize_scaled(v, spec, **kw)
+        return fq, lj.dequantize(codes, scales, spec, shape=v.shape)
+
+    fq, dq = run(jnp.asarray(x))
+    _same_nan(ref, np.asarray(fq), f"fake_quantize {name}")
+    if storable:
+        codes, scales = lowprec.quantize_scaled(torch.from_numpy(x), spec, **kw)
+        _same_nan(lowprec.dequantize(codes, scales, spec, shape=x.shape).numpy(), np.asarray(dq), f"dequantize {name}")
+        # dequantize(quantize_scaled(x)) == fake_quantize(x), the PyTorch identity, on the JAX side too
+        _same_nan(np.asarray(fq), np.asarray(dq), f"jax fake == dequantize {name}")
+
+
+def test_scaled_storage_and_vmap() -> None:
+    x = _scaled_input()[:32, :64]
+    codes, scales = lj.quantize_scaled(jnp.asarray(x), "mxfp8_e4m3")
+    assert codes.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float8_e8m0fnu and scales.shape == (32, 2)
+    tc, ts = lowprec.quantize_scaled(torch.from_numpy(x), "mxfp8_e4m3")
+    assert np.array_equal(np.asarray(codes).view(np.uint8), tc.view(torch.uint8).numpy())
+    assert np.array_equal(np.asarray(scales).view(np.uint8), ts.view(torch.uint8).numpy())
+    codes, two = lj.quantize_scaled(jnp.asarray(x), "nvfp4")
+    assert codes.dtype == jnp.float4_e2m1fn and isinstance(two, lj.TwoLevelScales)
+    # vmap over rows == PyTorch's per-row tensorwise scaling == rowwise spec
+    rows = jax.vmap(lambda r: lj.fake_quantize(r, "fp8_e4m3_tensorwise"))(jnp.asarray(x))
+    _same_nan(lowprec.fake_quantize(torch.from_numpy(x), "fp8_e4m3_rowwise").numpy(), np.asarray(rows), "vmap")
+
+
+def test_scaled_errors_match_torch() -> None:
+    bad = [("x", QuantSpec(scaling="axis", axis=3)), ("x", "mxfp9"), ("x", 3)]
+    for _, spec in bad:
+        with pytest.raises(ValueError) as t_err:
+            lowprec.fake_quantize(torch.zeros(4, 4), spec)
+        with pytest.raises(ValueError) as j_err:
+            lj.fake_quantize(jnp.zeros((4, 4)), spec)
+        assert str(t_err.value) == str(j_err.value)

@@ -127,11 +127,13 @@ def div_mag(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     small = sa < sb
     r = jnp.where(small, sa << 1, sa)
     eq = ea - eb - small.astype(jnp.int32)  # quotient in [1, 2) * 2^eq
-    q = jnp.zeros_like(r)
-    for _ in range(26):  # restoring division: r < 2 * sb < 2^25 throughout
+
+    def step(_: int, rq: tuple[jnp.ndarray, jnp.ndarray]) -> tuple[jnp.ndarray, jnp.ndarray]:
+        r, q = rq  # restoring division: r < 2 * sb < 2^25 throughout
         bit = r >= sb
-        r = jnp.where(bit, r - sb, r) << 1
-        q = (q << 1) | bit.astype(jnp.int32)
+        return jnp.where(bit, r - sb, r) << 1, (q << 1) | bit.astype(jnp.int32)
+
+    r, q = lax.fori_loop(0, 26, step, (r, jnp.zeros_like(r)))
     # q in [2^25, 2^26): value = q * 2^(eq - 25) (+ sticky)
     d = 2 + jnp.maximum(0, -126 - eq)
     n = _round_shift(q, d, r != 0)
