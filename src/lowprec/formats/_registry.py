@@ -66,5 +66,5 @@ def get(name: str | FormatSpec) -> FormatSpec:
         problem = f"unknown format {name!r}"
     raise ValueError(
         f"{problem}; valid names: {', '.join(_FORMATS)} "
-        "(or an ExMy name such as 'e3m4' or 'e8m13fn', or FormatSpec.custom(ebits, mbits))"
+        "(or an ExMy name such as 'e3m4' or 'e5m6fn', or FormatSpec.custom(ebits, mbits))"
     )
