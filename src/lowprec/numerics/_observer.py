@@ -1,0 +1,272 @@
+"""``StatsObserver``: quantization statistics of every tensor an ``EmulatedLinear`` touches, on sampled steps.
+
+Per converted linear layer ``y = x @ W^T`` and sampled step, six tensors are observed (2-D, reduction dim last,
+as ``EmulatedLinear`` quantizes them; see ``lowprec.nn._linear``):
+
+    role          tensor                          spec it is measured against (the recipe's)
+    input         x            [B,K]              forward.a.spec
+    weight        W            [N,K]              forward.b.spec
+    output        y            [B,N]              forward.output_format (None: float32)
+    grad_output   dL/dy        [B,N]              grad_input.a.spec (dY in dx = dY @ W, reduction dim N last)
+    grad_input    dL/dx        [B,K]              grad_input.output_format
+    grad_weight   dL/dW        [N,K]              grad_weight.output_format
+
+plus, for the GEMM operands (input, weight, grad_output), any ``what_if`` specs: "how would this tensor fare in
+mxfp4?" without training in mxfp4.  The statistics are ``tensor_stats``' (SQNR, under/overflow, dynamic range,
+scales).  Two approximations, both on purpose: delayed-scaling operands are measured with current scaling (the
+amax history is the module's state, not the tensor's), and stochastic-rounding operands with seed 0.
+
+How it observes without touching training: a forward hook per module reads ``x``, ``W`` and ``y`` and, on
+sampled steps only, registers a hook on ``y``'s autograd node (``_LinearFn``'s backward), which receives that
+GEMM's ``dL/dy`` and the gradients it returns, ``dL/dx`` and ``dL/dW`` (this module's contribution, before any
+accumulation into ``.grad``).  No hook returns a value and nothing is modified in place, so losses and
+parameters are bitwise those of a run without the observer; no random state is drawn.  ``nn.Module``'s full
+backward hooks are deliberately not used: they wrap inputs and outputs in extra autograd nodes on every step and
+warn on a first layer, whose input needs no gradient.  On steps that are not sampled the cost is one Python call
+per layer and forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..nn import EmulatedLinear
+from ..quant import QuantSpec
+from ..recipes import LinearRecipe
+from ._tensor_stats import resolve_spec, spec_name, tensor_stats
+
+ROLES: tuple[str, ...] = ("input", "weight", "output", "grad_output", "grad_input", "grad_weight")
+"""The observed tensors of a linear layer, in the order they appear in a training step."""
+OPERAND_ROLES: tuple[str, ...] = ("input", "weight", "grad_output")
+"""The roles that are GEMM operands: the ones ``what_if`` specs are applied to."""
+_PREFIX = "stats/"
+
+
+def _format_spec(fmt: str | None) -> QuantSpec | None:
+    return None if fmt is None else QuantSpec(elem=fmt, scaling="none")
+
+
+def role_spec(recipe: LinearRecipe, role: str) -> QuantSpec | None:
+    """The spec ``recipe`` quantizes tensor ``role`` with (see the module docstring's table)."""
+    specs = {
+        "input": lambda: recipe.forward.a.spec,
+        "weight": lambda: recipe.forward.b.spec,
+        "output": lambda: _format_spec(recipe.forward.output_format),
+        "grad_output": lambda: recipe.grad_input.a.spec,
+        "grad_input": lambda: _format_spec(recipe.grad_input.output_format),
+        "grad_weight": lambda: _format_spec(recipe.grad_weight.output_format),
+    }
+    if role not in specs:
+        raise ValueError(f"role must be one of {ROLES}; got {role!r}")
+    return specs[role]()
+
+
+def _check_what_if(what_if: Mapping[str, QuantSpec | str] | None) -> dict[str, QuantSpec]:
+    if what_if is None:
+        return {}
+    if not isinstance(what_if, Mapping):
+        raise ValueError(f"what_if must be a dict of name -> QuantSpec or spec name; got {type(what_if).__name__}")
+    out: dict[str, QuantSpec] = {}
+    for name, spec in what_if.items():
+        if not isinstance(name, str) or not name or any(c in name for c in "/@ "):
+            raise ValueError(f"what_if names must be non-empty strings without '/', '@' or spaces; got {name!r}")
+        try:
+            resolved = resolve_spec(spec)
+        except ValueError as e:
+            raise ValueError(f"what_if[{name!r}]: {e}") from None
+        if resolved is None:
+            raise ValueError(f"what_if[{name!r}] must be a QuantSpec or a spec name, not None")
+        out[name] = resolved
+    return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the 2-D GEMM operand ``[rows, last dim]`` (a view where possible)."""
+    return t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+
+
+class StatsObserver:
+    """Record ``tensor_stats`` of every ``EmulatedLinear``'s tensors on every ``every``-th step.
+
+    Usage, in a training loop::
+
+        obs = StatsObserver(model, every=50, what_if={"mxfp4": "mxfp4"})
+        for step in range(steps):
+            obs.step(step)                # before the forward; samples when step % every == 0
+            loss = loss_fn(model(x), y); loss.backward(); opt.step()
+            for s, values in obs.pop_scalars().items():
+                store.log_scalars(run_id, s, values)
+        obs.close()
+
+    Only forward passes with gradients enabled are recorded (evaluation under ``torch.no_grad`` is not), and per
+    step the first forward/backward of each layer (later micro-batches of gradient accumulation are skipped).
+    """
+
+    def __init__(self, model: nn.Module, *, every: int = 50,
+                 what_if: Mapping[str, QuantSpec | str] | None = None) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every must be a positive int (sample every N-th step); got {every!r}")
+        self.every = every
+        self.what_if = _check_what_if(what_if)
+        layers = [(name, m) for name, m in model.named_modules() if isinstance(m, EmulatedLinear)]
+        if not layers:
+            raise ValueError("the model has no EmulatedLinear layers; convert it first with lowprec.convert")
+        self._step: int | None = None
+        self._records: list[dict[str, Any]] = []
+        self._pending = 0  # index into _records of the first record not yet returned by pop_scalars
+        self._seen: set[tuple[int, str, str]] = set()
+        self._handles = [
+            m.register_forward_hook(functools.partial(self._on_forward, name or m.lowprec_name or "linear"))
+            for name, m in layers
+        ]
+
+    # -- the training loop's side ----------------------------------------------------------------------------
+    def step(self, step: int) -> None:
+        """Announce the step about to run (before its forward); it is sampled when ``step % every == 0``."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int; got {step!r}")
+        self._step = step if step % self.every == 0 else None
+        if self._step is not None:
+            self._seen = {k for k in self._seen if k[0] == step}  # keep the bookkeeping to one step
+
+    def close(self) -> None:
+        """Remove the hooks; the records stay readable.  Backward hooks already registered for a forward pass
+        that has not run its backward yet still record it."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._step = None
+
+    def __enter__(self) -> StatsObserver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- hooks -----------------------------------------------------------------------------------------------
+    def _on_forward(self, name: str, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        step = self._step
+        if step is None or not torch.is_grad_enabled() or (step, name, "input") in self._seen:
+            return
+        assert isinstance(module, EmulatedLinear)
+        self._observe(step, name, module.recipe, "input", _flat(args[0]))
+        self._observe(step, name, module.recipe, "weight", module.weight)
+        self._observe(step, name, module.recipe, "output", _flat(output))
+        if output.grad_fn is not None:
+            output.grad_fn.register_hook(functools.partial(self._on_backward, step, name, module.recipe))
+
+    def _on_backward(self, step: int, name: str, recipe: LinearRecipe, grad_inputs: tuple[Any, ...],
+                     grad_outputs: tuple[Any, ...]) -> None:
+        # _LinearFn.backward: grad_outputs = (dL/dy,), grad_inputs = (dL/dx, dL/dW, dL/db, None)
+        tensors = {"grad_output": grad_outputs[0], "grad_input": grad_inputs[0], "grad_weight": grad_inputs[1]}
+        for role, t in tensors.items():
+            if isinstance(t, torch.Tensor):
+                self._observe(step, name, recipe, role, _flat(t))
+
+    def _observe(self, step: int, name: str, recipe: LinearRecipe, role: str, t: torch.Tensor) -> None:
+        key = (step, name, role)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        spec = role_spec(recipe, role)
+        specs: list[tuple[str, QuantSpec | None, str | None]] = [(spec_name(spec), spec, None)]
+        if role in OPERAND_ROLES:
+            specs += [(spec_name(s), s, label) for label, s in self.what_if.items()]
+        with torch.no_grad():
+            for label, s, what_if in specs:
+                self._records.append({"step": step, "module": name, "role": role, "spec": label,
+                                      "what_if": what_if, "stats": tensor_stats(t, s)})
+
+    # -- results ---------------------------------------------------------------------------------------------
+    def records(self) -> list[dict[str, Any]]:
+        """Every record so far: dicts with ``step``, ``module``, ``role``, ``spec`` (the spec's name, "float32"
+        for unquantized), ``what_if`` (None for the recipe's own spec, else the what-if name) and ``stats``
+        (``tensor_stats``' dict)."""
+        return [dict(r, stats=dict(r["stats"])) for r in self._records]
+
+    def scalars(self) -> dict[int, dict[str, float]]:
+        """All records as ``{step: {key: value}}`` for ``RunStore.log_scalars``; keys are
+        ``stats/<module>/<role>/<stat>`` for the recipe's spec and ``stats/<module>/<role>@<what_if>/<stat>``
+        for a what-if spec (``records_from_scalars`` inverts this)."""
+        return _to_scalars(self._records)
+
+    def pop_scalars(self) -> dict[int, dict[str, float]]:
+        """``scalars()`` of the records added since the last ``pop_scalars`` (for logging as training goes)."""
+        new = self._records[self._pending:]
+        self._pending = len(self._records)
+        return _to_scalars(new)
+
+
+def _to_scalars(records: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for r in records:
+        role = r["role"] if r["what_if"] is None else f"{r['role']}@{r['what_if']}"
+        row = out.setdefault(r["step"], {})
+        for stat, v in r["stats"].items():
+            row[f"{_PREFIX}{r['module']}/{role}/{stat}"] = v
+    return out
+
+
+def records_from_scalars(scalars: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> list[dict[str, Any]]:
+    """Records (as ``StatsObserver.records``, with ``spec`` "recipe" or the what-if name) rebuilt from a run's
+    scalars as ``RunStore.scalars(run_id)`` returns them (key -> (steps, values)); other keys are ignored."""
+    grouped: dict[tuple[int, str, str, str | None], dict[str, float]] = {}
+    for key, (steps, values) in scalars.items():
+        if not key.startswith(_PREFIX) or key.count("/") < 3:
+            continue
+        module, role, stat = key[len(_PREFIX):].rsplit("/", 2)
+        role, _, what_if = role.partition("@")
+        for s, v in zip(np.asarray(steps).tolist(), np.asarray(values).tolist(), strict=True):
+            grouped.setdefault((int(s), module, role, what_if or None), {})[stat] = float(v)
+    return [{"step": s, "module": m, "role": r, "spec": w or "recipe", "what_if": w, "stats": st}
+            for (s, m, r, w), st in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
+                                                                              kv[0][3] or ""))]
+
+
+class LayerStat(NamedTuple):
+    """One row of ``worst_layers``."""
+
+    module: str
+    role: str
+    value: float
+    """Mean of the statistic over the sampled steps (NaN when any step gave NaN)."""
+    steps: int
+    """Number of sampled steps averaged."""
+
+
+_LOWER_IS_WORSE = frozenset({"sqnr_db"})
+
+
+def worst_layers(records: list[dict[str, Any]], *, key: str = "sqnr_db", n: int = 10,
+                 what_if: str | None = None) -> list[LayerStat]:
+    """The ``n`` (module, role) pairs worst on ``key``, averaged over steps: lowest mean SQNR for "sqnr_db",
+    highest mean for every other statistic (underflow_pct, overflow_pct, ...).  NaN ranks worst.  Only records of
+    the recipe's spec are ranked, or those of what-if ``what_if``; for "sqnr_db" unquantized tensors (SQNR inf at
+    every step) are left out."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be a positive int; got {n!r}")
+    values: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        if r.get("what_if") != what_if:
+            continue
+        if key not in r["stats"]:
+            raise ValueError(f"key {key!r} is not a statistic of the records; they have {sorted(r['stats'])}")
+        values.setdefault((r["module"], r["role"]), []).append(float(r["stats"][key]))
+    lower = key in _LOWER_IS_WORSE
+    rows = [LayerStat(m, role, float(np.mean(v)), len(v)) for (m, role), v in values.items()]
+    if lower:
+        rows = [row for row in rows if row.value != math.inf]
+
+    def badness(row: LayerStat) -> tuple[int, float, str, str]:
+        if math.isnan(row.value):
+            return (0, 0.0, row.module, row.role)
+        return (1, row.value if lower else -row.value, row.module, row.role)
+
+    return sorted(rows, key=badness)[:n]
