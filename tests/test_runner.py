@@ -200,3 +200,25 @@ def test_cli_store_errors_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     p = _cli("runs", "list", "--store", str(tmp_path / "bad.db"), cwd=tmp_path, check=False)  # the console path
     assert p.returncode == 2 and "not a lowprec run store" in p.stderr and "Traceback" not in p.stderr
     assert (tmp_path / "bad.db").read_bytes() == b"this is not sqlite" * 100  # nothing overwritten
+
+
+def test_stats_recorded_without_changing_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Oracle: the same run without statistics (bitwise-equal losses), and lowprec.numerics.tensor_stats'
+    own tests for the values; `lowprec stats` ranks what the run stored."""
+    from lowprec.runs._config import StatsConfig
+
+    cfg = _config(tmp_path, recipe=recipes.get("fp8-tensorwise"), steps=20)
+    with RunStore(cfg.store) as store:
+        (plain,) = run_config(cfg, store=store, progress=False)
+        (obs,) = run_config(dataclasses.replace(cfg, stats=StatsConfig(every=10, what_if={"mxfp4": "mxfp4"})),
+                            store=store, progress=False)
+        assert np.array_equal(_loss(store, plain)[1], _loss(store, obs)[1])
+        sc = store.scalars(obs)
+    steps, sqnr = sc["stats/layers.0/input/sqnr_db"]
+    assert np.array_equal(steps, [1, 11]) and (sqnr > 20).all()  # sampled steps 0 and 10, logged with their loss
+    assert "stats/layers.0/weight@mxfp4/sqnr_db" in sc
+    assert main(["stats", obs, "--store", cfg.store, "-n", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "worst" in out and len(out.splitlines()) == 5
+    assert main(["stats", plain, "--store", cfg.store]) == 2
+    assert "no tensor statistics" in capsys.readouterr().err

@@ -152,6 +152,23 @@ def cmd_parity(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .numerics import records_from_scalars, worst_layers
+
+    with open_store(store_path(args)) as store:
+        rec = store.get_run(args.run_id)
+        records = records_from_scalars(store.scalars(rec.run_id))
+    if not records:
+        raise ValueError(f"run {rec.run_id} has no tensor statistics: set [stats] every = N in its config")
+    worst = worst_layers(records, key=args.key, n=args.n, what_if=args.what_if)
+    label = args.key + (f" under what-if {args.what_if!r}" if args.what_if else "")
+    print(f"run {rec.run_id}: the {len(worst)} worst (module, tensor) by {label}")
+    print(f"{'module':<28}{'tensor':<14}{args.key:>14}  sampled steps")
+    for w in worst:
+        print(f"{w.module:<28}{w.role:<14}{w.value:>14.4g}  {w.steps}")
+    return 0
+
+
 def add_store_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", metavar="PATH",
                    help=f"run store database (default $LOWPREC_STORE or the config's, else {DEFAULT_STORE})")
@@ -178,6 +195,15 @@ def add_parsers(sub: Any) -> None:
     par.add_argument("--quiet", action="store_true")
     add_store_arg(par)
     par.set_defaults(func=cmd_parity)
+
+    st = sub.add_parser("stats", help="the layers and tensors that lose the most precision in a run")
+    st.add_argument("run_id", metavar="RUN_ID")
+    st.add_argument("--key", default="sqnr_db",
+                    help="statistic to rank by: sqnr_db (lowest first), underflow_pct, overflow_pct, ... (highest)")
+    st.add_argument("-n", type=int, default=10, help="how many to show (default 10)")
+    st.add_argument("--what-if", help="rank the what-if spec of this name instead of the recipe's own")
+    add_store_arg(st)
+    st.set_defaults(func=cmd_stats)
 
     runs = sub.add_parser("runs", help="list, show and export recorded runs")
     rs = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)

@@ -176,7 +176,33 @@ class CheckpointConfig:
         _check_int(self.keep, "checkpoint.keep", 1)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StatsConfig:
+    """Per-layer tensor statistics (``lowprec.numerics.StatsObserver``), recorded as ``stats/<module>/<role>/<stat>``
+    scalars; off by default.  They never change the training numerics."""
+
+    every: int | None = None
+    """Sample every this many steps (None: off)."""
+    what_if: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Extra specs to measure the GEMM operands with (name -> spec name), e.g. {mxfp4 = "mxfp4"}."""
+
+    def __post_init__(self) -> None:
+        if self.every is not None:
+            _check_int(self.every, "stats.every", 1)
+        if not isinstance(self.what_if, dict):
+            raise ValueError(f"stats.what_if must be a table of name = spec; got {self.what_if!r}")
+        from ..quant import QuantSpec
+
+        for name, spec in self.what_if.items():
+            if not name or any(c in name for c in "/@ "):
+                raise ValueError(f"stats.what_if name {name!r} must be non-empty without '/', '@' or spaces")
+            if not isinstance(spec, str) or spec not in QuantSpec.names():
+                raise ValueError(f"stats.what_if.{name} must be a spec name ({', '.join(QuantSpec.names())}); "
+                                 f"got {spec!r}")
+
+
 _TABLES: dict[str, type] = {
+    "stats": StatsConfig,
     "optimizer": OptimizerConfig,
     "schedule": ScheduleConfig,
     "parallel": ParallelConfig,
@@ -207,6 +233,7 @@ class RunConfig:
     schedule: ScheduleConfig = ScheduleConfig()
     parallel: ParallelConfig = ParallelConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    stats: StatsConfig = StatsConfig()
     store: str = DEFAULT_STORE
     """Path of the SQLite run store (checkpoints go next to it, under ``checkpoints/<run id>/``)."""
     threads: int | None = None

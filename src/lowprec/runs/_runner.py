@@ -74,6 +74,8 @@ class _State:
     world: World
     wrapped: Wrapped
     step: int = 0
+    observer: Any = None
+    """``lowprec.numerics.StatsObserver`` on rank 0 when ``config.stats.every`` is set."""
 
 
 def _full_state(st: _State) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -174,6 +176,8 @@ def _train_step(task: Task, st: _State, config: RunConfig, lr: float) -> dict[st
     t0 = time.perf_counter()
     for group in st.optimizer.param_groups:
         group["lr"] = lr
+    if st.observer is not None:
+        st.observer.step(st.step)
     inputs, targets = st.world.shard(task.train_batch(st.step))
     loss = task.loss_fn(st.model(inputs), targets)
     st.optimizer.zero_grad()
@@ -202,6 +206,11 @@ def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: st
         if st.step % every == 0 or st.step == steps or diverged:
             values.update(_evaluate(task, unwrap(st.model)))
         if main:
+            for s, stats in (st.observer.pop_scalars() if st.observer is not None else {}).items():
+                if s + 1 == st.step:  # stats of the batch this step trained on: logged with its loss
+                    values.update(stats)
+                else:
+                    store.log_scalars(run_id, s + 1, stats)
             store.log_scalars(run_id, st.step, values)
             progress.update(st.step, loss=values["train/loss"])
         if diverged:
@@ -253,6 +262,10 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
     wrapped = wrap_model(convert(task.model, config.recipe), config.recipe, world)
     st = _State(model=wrapped.model, optimizer=make_optimizer(config, wrapped.model), world=world, wrapped=wrapped)
     rid = _open_run(config, task, st, store, seed=seed, resume=resume, run_id=run_id)
+    if config.stats.every and world.is_main:
+        from ..numerics import StatsObserver
+
+        st.observer = StatsObserver(unwrap(st.model), every=config.stats.every, what_if=config.stats.what_if)
     bar = Progress(f"{config.label} seed {seed}", config.steps or 0, start=st.step,
                    enabled=progress and world.is_main)
     try:
@@ -266,6 +279,8 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
         raise
     finally:
         bar.close()
+        if st.observer is not None:
+            st.observer.close()
     world.barrier()
     if world.is_main:
         store.finish_run(rid, status="completed")
