@@ -80,7 +80,8 @@ def test_resume_after_failure_equals_uninterrupted(tmp_path: Path, recipe: str) 
     """Optimizer state, Kahan buffers, amax histories and the loss scaler all travel in the checkpoint."""
     r = recipes.get(recipe)
     ref_cfg = _config(tmp_path, recipe=r)
-    crash = _config(tmp_path, recipe=r, model="_faulty_tasks:crash_at", model_options={"step": 25, "marker": str(tmp_path / "m")},
+    crash = _config(tmp_path, recipe=r, model="_faulty_tasks:crash_at",
+                    model_options={"step": 25, "marker": str(tmp_path / "m")},
                     checkpoint=CheckpointConfig(interval=10))
     with RunStore(ref_cfg.store) as store:
         (ref,) = run_config(ref_cfg, store=store, progress=False)

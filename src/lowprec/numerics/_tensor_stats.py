@@ -23,8 +23,8 @@ The overall error is the SQNR ``10 log10(sum x^2 / sum (x - x_hat)^2)`` in dB (`
 bit of mantissa adds about 6 dB while nothing under- or overflows).  The dynamic range ``log2(amax / min |x|>0)``
 in binades (over the whole tensor) says how much exponent range it needs: fp8 e4m3 spans about 17.8 binades
 (2^-9 .. 448), fp4 e2m1 only 3.6 (0.5 .. 6), so under one tensor scale a tensor of 20 binades must lose its small
-values to underflow; finer groups (rows, blocks) each need only their own range.  The scales are reported as log2 (min/mean/max over groups whose
-amax is nonzero and finite): a collapsing or exploding scale shows up there before the loss does.
+values to underflow; finer groups (rows, blocks) each need only their own range.  The scales are reported as log2
+(min/mean/max over groups whose amax is nonzero and finite): a collapsing or exploding scale shows up there before the loss does.
 
 Trade-off: the statistics cost one eager fake quantization (the scale pass is shared with the overflow count)
 plus about fifteen elementwise passes and reductions, and one device synchronisation (about 1.5 ms for a
@@ -38,9 +38,8 @@ import math
 
 import torch
 
-from ..quant import QuantSpec
-from ..quant import _groups
 from ..formats import FormatSpec
+from ..quant import QuantSpec, _groups
 from ..quant._elementwise import stochastic_args
 from ..quant._round import round_magnitude
 from ..quant._scaled import _fake, _prescaled, _scales
