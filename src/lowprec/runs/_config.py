@@ -35,6 +35,7 @@ from typing import Any
 
 from .. import recipes
 from ..recipes import Recipe
+from ._checks import check_choice, check_float, check_int
 
 DEFAULT_STORE = "lowprec-runs/runs.db"
 OPTIMIZERS = ("adamw", "sgd")
@@ -42,25 +43,6 @@ SCHEDULES = ("constant", "cosine", "linear")
 STRATEGIES = ("single", "ddp", "fsdp2", "hsdp")
 BACKENDS = ("auto", "gloo", "nccl")
 FRAMEWORKS = ("torch",)
-
-
-def _check_int(value: Any, field: str, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{field} must be an integer {rng}; got {value!r}")
-
-
-def _check_float(value: Any, field: str, lo: float, hi: float | None = None, *, open_lo: bool = False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > lo if open_lo else value >= lo) and (hi is None or value <= hi)
-    if not ok:
-        rng = ("> " if open_lo else ">= ") + repr(lo) + ("" if hi is None else f" and <= {hi!r}")
-        raise ValueError(f"{field} must be a finite number {rng}; got {value!r}")
-
-
-def _check_choice(value: Any, field: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,18 +64,18 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.name is not None:
-            _check_choice(self.name, "optimizer.name", OPTIMIZERS)
+            check_choice(self.name, "optimizer.name", OPTIMIZERS)
         if self.lr is not None:
-            _check_float(self.lr, "optimizer.lr", 0.0, open_lo=True)
-        _check_float(self.weight_decay, "optimizer.weight_decay", 0.0)
+            check_float(self.lr, "optimizer.lr", 0.0, open_lo=True)
+        check_float(self.weight_decay, "optimizer.weight_decay", 0.0)
         if not (isinstance(self.betas, tuple) and len(self.betas) == 2):
             raise ValueError(f"optimizer.betas must be two numbers [beta1, beta2]; got {self.betas!r}")
         for i, b in enumerate(self.betas):
-            _check_float(b, f"optimizer.betas[{i}]", 0.0, 1.0)
-        _check_float(self.eps, "optimizer.eps", 0.0, open_lo=True)
-        _check_float(self.momentum, "optimizer.momentum", 0.0, 1.0)
+            check_float(b, f"optimizer.betas[{i}]", 0.0, 1.0)
+        check_float(self.eps, "optimizer.eps", 0.0, open_lo=True)
+        check_float(self.momentum, "optimizer.momentum", 0.0, 1.0)
         if self.grad_clip is not None:
-            _check_float(self.grad_clip, "optimizer.grad_clip", 0.0)
+            check_float(self.grad_clip, "optimizer.grad_clip", 0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,10 +89,10 @@ class ScheduleConfig:
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        _check_choice(self.name, "schedule.name", SCHEDULES)
+        check_choice(self.name, "schedule.name", SCHEDULES)
         if self.warmup_steps is not None:
-            _check_int(self.warmup_steps, "schedule.warmup_steps", 0)
-        _check_float(self.min_lr_ratio, "schedule.min_lr_ratio", 0.0, 1.0)
+            check_int(self.warmup_steps, "schedule.warmup_steps", 0)
+        check_float(self.min_lr_ratio, "schedule.min_lr_ratio", 0.0, 1.0)
 
     def lr_at(self, step: int, *, lr: float, steps: int) -> float:
         """Learning rate for optimizer step ``step`` (0-based) of ``steps``."""
@@ -145,12 +127,12 @@ class ParallelConfig:
     """"hsdp": (replicas, shards per replica); their product is the world size."""
 
     def __post_init__(self) -> None:
-        _check_choice(self.strategy, "parallel.strategy", STRATEGIES)
-        _check_int(self.world_size, "parallel.world_size", 1, 1 if self.strategy == "single" else 1024)
-        _check_choice(self.backend, "parallel.backend", BACKENDS)
-        _check_int(self.max_restarts, "parallel.max_restarts", 0, 100)
+        check_choice(self.strategy, "parallel.strategy", STRATEGIES)
+        check_int(self.world_size, "parallel.world_size", 1, 1 if self.strategy == "single" else 1024)
+        check_choice(self.backend, "parallel.backend", BACKENDS)
+        check_int(self.max_restarts, "parallel.max_restarts", 0, 100)
         if self.master_port is not None:
-            _check_int(self.master_port, "parallel.master_port", 1024, 65535)
+            check_int(self.master_port, "parallel.master_port", 1024, 65535)
         if self.strategy == "hsdp" or self.mesh_shape is not None:
             m = self.mesh_shape
             if self.strategy != "hsdp":
@@ -172,8 +154,8 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints of a run."""
 
     def __post_init__(self) -> None:
-        _check_int(self.interval, "checkpoint.interval", 0)
-        _check_int(self.keep, "checkpoint.keep", 1)
+        check_int(self.interval, "checkpoint.interval", 0)
+        check_int(self.keep, "checkpoint.keep", 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,7 +170,7 @@ class StatsConfig:
 
     def __post_init__(self) -> None:
         if self.every is not None:
-            _check_int(self.every, "stats.every", 1)
+            check_int(self.every, "stats.every", 1)
         if not isinstance(self.what_if, dict):
             raise ValueError(f"stats.what_if must be a table of name = spec; got {self.what_if!r}")
         from ..quant import QuantSpec
@@ -248,22 +230,22 @@ class RunConfig:
             v = getattr(self, field)
             if v is not None and (not isinstance(v, str) or not v.strip()):
                 raise ValueError(f"{field} must be a non-empty string; got {v!r}")
-        _check_choice(self.framework, "framework", FRAMEWORKS)
+        check_choice(self.framework, "framework", FRAMEWORKS)
         if not isinstance(self.seeds, tuple) or not self.seeds:
             raise ValueError(f"seeds must be a non-empty list of integers; got {self.seeds!r}")
         for i, s in enumerate(self.seeds):
-            _check_int(s, f"seeds[{i}]", 0, 2**31 - 1)
+            check_int(s, f"seeds[{i}]", 0, 2**31 - 1)
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct; got {list(self.seeds)}")
         for field in ("steps", "batch_size", "eval_interval"):
             if getattr(self, field) is not None:
-                _check_int(getattr(self, field), field, 1)
+                check_int(getattr(self, field), field, 1)
         if not isinstance(self.recipe, Recipe):
             raise ValueError(f"recipe must be a lowprec.Recipe; got {type(self.recipe).__name__}")
         if not isinstance(self.store, str) or not self.store:
             raise ValueError(f"store must be a path; got {self.store!r}")
         if self.threads is not None:
-            _check_int(self.threads, "threads", 1)
+            check_int(self.threads, "threads", 1)
 
     @property
     def label(self) -> str:

@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import scipy.stats
 
+from ._checks import check_float, check_int
+
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
     """Trailing moving average of a 1-D float array (length kept); ``window = 1`` returns a copy.
@@ -159,19 +161,6 @@ def _is_spike(v: float, hist: np.ndarray, factor: float, mad_k: float) -> bool:
     return bool(v - med > (factor - 1.0) * abs(med) and v - med > mad_k * 1.4826 * mad)
 
 
-def _num(value: Any, field: str, lo: float, hi: float | None = None, *, open_lo: bool = False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > lo if open_lo else value >= lo) and (hi is None or value <= hi)
-    if not ok:
-        rng = ("> " if open_lo else ">= ") + repr(lo) + ("" if hi is None else f" and <= {hi!r}")
-        raise ValueError(f"criteria.{field} must be a finite number {rng}; got {value!r}")
-
-
-def _int(value: Any, field: str, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"criteria.{field} must be an integer >= {lo}; got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Criteria:
     """Acceptance criteria, declared when the baseline is created and stored with it.
@@ -208,18 +197,18 @@ class Criteria:
     """Eval metrics to judge (names without ``eval/``); None: every metric of the baseline."""
 
     def __post_init__(self) -> None:
-        _int(self.smoothing_window, "smoothing_window", 1)
-        _num(self.warmup_fraction, "warmup_fraction", 0.0, 0.9)
-        _num(self.curve_k, "curve_k", 0.0, open_lo=True)
-        _num(self.curve_rtol, "curve_rtol", 0.0)
-        _num(self.curve_pool_fraction, "curve_pool_fraction", 0.0, 1.0)
-        _num(self.curve_max_outside, "curve_max_outside", 0.0, 1.0)
-        _num(self.metric_alpha, "metric_alpha", 0.0, 0.5, open_lo=True)
-        _num(self.metric_margin_rel, "metric_margin_rel", 0.0)
-        _num(self.metric_margin_std, "metric_margin_std", 0.0)
-        _num(self.spike_factor, "spike_factor", 1.0, open_lo=True)
-        _num(self.spike_mad, "spike_mad", 0.0)
-        _int(self.spike_window, "spike_window", 2)
+        check_int(self.smoothing_window, "criteria.smoothing_window", 1)
+        check_float(self.warmup_fraction, "criteria.warmup_fraction", 0.0, 0.9)
+        check_float(self.curve_k, "criteria.curve_k", 0.0, open_lo=True)
+        check_float(self.curve_rtol, "criteria.curve_rtol", 0.0)
+        check_float(self.curve_pool_fraction, "criteria.curve_pool_fraction", 0.0, 1.0)
+        check_float(self.curve_max_outside, "criteria.curve_max_outside", 0.0, 1.0)
+        check_float(self.metric_alpha, "criteria.metric_alpha", 0.0, 0.5, open_lo=True)
+        check_float(self.metric_margin_rel, "criteria.metric_margin_rel", 0.0)
+        check_float(self.metric_margin_std, "criteria.metric_margin_std", 0.0)
+        check_float(self.spike_factor, "criteria.spike_factor", 1.0, open_lo=True)
+        check_float(self.spike_mad, "criteria.spike_mad", 0.0)
+        check_int(self.spike_window, "criteria.spike_window", 2)
         if self.metrics is not None:
             ok = isinstance(self.metrics, tuple) and self.metrics and all(
                 isinstance(m, str) and m for m in self.metrics)
