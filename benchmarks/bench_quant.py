@@ -39,6 +39,7 @@ import torch
 
 import lowprec
 from lowprec.quant import QuantSpec, fake_quantize, quantize
+from lowprec.runs._manifest import cpu_model
 
 # name -> (function of the 2-D input, element format for the native comparisons)
 QUANTIZERS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
@@ -82,17 +83,6 @@ def sig(v: float, digits: int = 4) -> float:
 
 def gbps(nbytes: int, seconds: float) -> float:
     return sig(nbytes / seconds / 1e9)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def machine_info() -> dict[str, Any]:

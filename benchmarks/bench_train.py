@@ -73,6 +73,7 @@ from torch import nn
 
 import lowprec
 from lowprec.optim import LowPrecisionOptimizer
+from lowprec.runs._manifest import cpu_model
 
 DEFAULT_RECIPES = ["fp32", "bf16", "bf16-sr", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "nvfp4",
                    "h100-fp8"]
@@ -183,17 +184,6 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 # --------------------------------------------------------------------------------------------- machine info
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def load_average() -> list[float] | None:
     try:
         return [round(v, 2) for v in os.getloadavg()]
