@@ -153,13 +153,16 @@ def test_failed_rank_recorded_then_resumed_on_one_process(tmp_path: Path,
 
 
 def test_sigkilled_rank_elastic_restart_continues_the_same_curve(ddp_runs: tuple[Path, dict[str, str]],
-                                                                 tmp_path: Path) -> None:
+                                                                 tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank SIGKILLs itself at step 25; torchrun (--max-restarts) restarts the group, which resumes at the
     step-20 checkpoint: the curve equals the uninterrupted DDP run bit for bit, each step recorded once."""
     tmp, ids = ddp_runs
     cfg = _cfg(tmp_path, model="_faulty_tasks:sigkill_at", model_options={"step": 25, "marker": str(tmp_path / "m")},
                parallel=ParallelConfig(strategy="ddp", world_size=2, max_restarts=3))
-    # max_restarts 3, not 1: on a loaded 2-core machine a restarted group's gloo connection can time out once
+    # max_restarts 3, not 1: on a loaded 2-core machine a restarted group's gloo connection can time out once, and
+    # a restarted rank left waiting in a collective fails after LOWPREC_DIST_TIMEOUT_S instead of hanging
+    monkeypatch.setenv("LOWPREC_DIST_TIMEOUT_S", "60")
     with RunStore(cfg.store) as store:
         (rid,) = run_config(cfg, store=store, progress=False)
         assert (tmp_path / "m").exists()  # the kill happened

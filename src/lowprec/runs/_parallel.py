@@ -13,6 +13,7 @@ gradient up to the order of the floating-point additions.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 from collections.abc import Callable
 from typing import Any
@@ -144,7 +145,10 @@ def init_world(strategy: str, backend: str = "auto", mesh_shape: tuple[int, int]
         chosen = resolve_backend(backend)
         if chosen == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(chosen)
+        # a rank stuck in a collective (e.g. a peer lost during an elastic restart) fails after this many seconds
+        # instead of gloo's 30-minute default, so torchrun can restart the group or give up
+        timeout = datetime.timedelta(seconds=float(os.environ.get("LOWPREC_DIST_TIMEOUT_S", "600")))
+        dist.init_process_group(chosen, timeout=timeout)
     world = World(rank=dist.get_rank(), size=dist.get_world_size(), strategy=strategy, mesh_shape=mesh_shape)
     if mesh_shape is not None and mesh_shape[0] * mesh_shape[1] != world.size:
         raise ValueError(f"parallel.mesh_shape {list(mesh_shape)} does not match the {world.size} processes "
