@@ -148,12 +148,32 @@ def init_world(strategy: str, backend: str = "auto", mesh_shape: tuple[int, int]
         # a rank stuck in a collective (e.g. a peer lost during an elastic restart) fails after this many seconds
         # instead of gloo's 30-minute default, so torchrun can restart the group or give up
         timeout = datetime.timedelta(seconds=float(os.environ.get("LOWPREC_DIST_TIMEOUT_S", "600")))
-        dist.init_process_group(chosen, timeout=timeout)
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(chosen, timeout=timeout)
+        else:
+            dist.init_process_group(chosen, timeout=timeout, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     world = World(rank=dist.get_rank(), size=dist.get_world_size(), strategy=strategy, mesh_shape=mesh_shape)
     if mesh_shape is not None and mesh_shape[0] * mesh_shape[1] != world.size:
         raise ValueError(f"parallel.mesh_shape {list(mesh_shape)} does not match the {world.size} processes "
                          "torchrun started")
     return world
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The rendezvous store under a prefix unique to this restart attempt, when torchrun shares its agent store.
+
+    torchrun's c10d rendezvous keeps one TCP store for all restart rounds and its workers connect to it without a
+    per-attempt prefix (torch 2.13, ``_create_c10d_store``): after an elastic restart, gloo's connectFullMesh can
+    read the address a killed rank published in the previous attempt and fail with "Connection refused", or wait
+    for it until the connect timeout.  Keys under ``lowprec/attempt_<TORCHELASTIC_RESTART_COUNT>`` cannot be stale.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                         is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"lowprec/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 
 def resolve_backend(backend: str) -> str:
