@@ -68,3 +68,88 @@ def duplicated(*, seed: int, batch_size: int | None = None, copies: int = 2) -> 
         return torch.cat([x] * copies), torch.cat([y] * copies)
 
     return dataclasses.replace(task, name="duplicated", train_batch=batch, samples_per_step=total)
+
+
+class _StepCounter(torch.nn.Module):
+    """Counts its training-mode forwards in a buffer (so a replay that restores buffers restores the count)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def _now(self) -> bool:
+        if not self.training:
+            return False
+        with torch.no_grad():
+            self.calls += 1
+        return int(self.calls) - 1 == self.step
+
+
+class Overflow(_StepCounter):
+    """Identity, except that its ``step``-th training forward multiplies by 2^140 (in two float32 products, so
+    every |x| > 2^-12 overflows to +-inf and zeros stay zero)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2.0**100) * 2.0**40 if self._now() else x
+
+
+class _NanBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = grad.clone()
+        out[0, 1] = float("nan")
+        return out
+
+
+class NanGrad(_StepCounter):
+    """Identity in forward; on its ``step``-th training forward, its backward returns a gradient with one NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NanBackward.apply(x) if self._now() else x  # type: ignore[no-any-return]
+
+
+def _insert_after(task: Task, layer: int, name: str, module: torch.nn.Module) -> None:
+    """Replace ``layers.<layer>`` of the zoo MLP by ``Sequential(linear=<it>, <name>=module)``."""
+    from collections import OrderedDict
+
+    layers = task.model.layers  # type: ignore[union-attr]
+    layers[layer] = torch.nn.Sequential(OrderedDict([("linear", layers[layer]), (name, module)]))
+
+
+def overflow_at(*, seed: int, batch_size: int | None = None, step: int = 5) -> Task:
+    """mlp-digits with module ``layers.1.amp`` after the second linear whose forward output at batch ``step``
+    (0-based) overflows to +-inf: the run's first non-finite tensor is that module's output at step ``step + 1``."""
+    task = get_task("mlp-digits", seed=seed, batch_size=batch_size)
+    _insert_after(task, 1, "amp", Overflow(step))
+    return dataclasses.replace(task, name="overflow_at")
+
+
+def nan_grad_at(*, seed: int, batch_size: int | None = None, step: int = 5) -> Task:
+    """mlp-digits with module ``layers.1.bad`` after the second linear whose backward at batch ``step`` (0-based)
+    returns one NaN in the gradient of its input: the loss stays finite, the gradient norm is NaN, and the first
+    non-finite tensor is ``layers.1.bad``'s grad_input at step ``step + 1``."""
+    task = get_task("mlp-digits", seed=seed, batch_size=batch_size)
+    _insert_after(task, 1, "bad", NanGrad(step))
+    return dataclasses.replace(task, name="nan_grad_at")
+
+
+def tiny_input(*, seed: int, batch_size: int | None = None, scale: float = 2.0**-12, crash_step: int = -1,
+               marker: str = "") -> Task:
+    """mlp-digits with inputs multiplied by ``scale`` (pixels in [0, 1] -> at most 2^-12: every nonzero input
+    underflows in unscaled fp8 e4m3, whose smallest subnormal is 2^-9).  With ``crash_step`` >= 0 the batch
+    function raises once at that step (see ``crash_at``).  Evaluation uses the unscaled held-out data."""
+    task = get_task("mlp-digits", seed=seed, batch_size=batch_size)
+
+    def batch(s: int) -> tuple[Any, torch.Tensor]:
+        if s == crash_step and not Path(marker).exists():
+            Path(marker).write_text("failed once")
+            raise RuntimeError(f"injected failure at step {s}")
+        x, y = task.train_batch(s)
+        return x * scale, y
+
+    return dataclasses.replace(task, name="tiny_input", train_batch=batch)

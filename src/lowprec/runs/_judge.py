@@ -4,7 +4,8 @@ Criteria (parameters in ``Criteria``, declared with the baseline; methodology in
 
 * ``completion``: every candidate finished (status "completed") and logged the baseline's number of steps.
 * ``divergence``: no candidate has a non-finite training loss or eval metric, a "nonfinite"/"diverged" event, or a
-  loss spike (``_stats.find_spike``); a FAIL names the run and the first such step.
+  loss spike (``_stats.find_spike``); a FAIL names the run and the first such step, and, when the runner localised
+  the failure (a "nonfinite" event), the module, tensor role, step and values of the first non-finite tensor.
 * ``curve``: the mean over candidate seeds of the smoothed training loss stays inside the band around the
   baseline mean on all but ``curve_max_outside`` of the post-warm-up steps.  Band half-width at step t::
 
@@ -124,10 +125,20 @@ def _first_divergence(b: Baseline, run: RunData) -> tuple[int, str] | None:
             bad = np.flatnonzero(~np.isfinite(np.asarray(v, dtype=np.float64)))
             if bad.size:
                 found.append((int(st[bad[0]]), f"{key} = {float(v[bad[0]])!r}"))
+    located = None
     for e in run.events:
-        if e.get("kind") in DIVERGENCE_EVENTS:
+        if e.get("kind") == "nonfinite":  # its payload is described below
+            found.append((int(e.get("step", 0)), "nonfinite event"))
+        elif e.get("kind") in DIVERGENCE_EVENTS:
             found.append((int(e.get("step", 0)), f"{e.get('kind')} event {e.get('payload', {})}"))
-    return min(found, key=lambda f: f[0]) if found else None
+        if e.get("kind") == "nonfinite" and located is None and (e.get("payload") or {}).get("found"):
+            from ..numerics._localize import describe_payload
+
+            located = f"; first non-finite value: {describe_payload(e['payload'])}"
+    if not found:
+        return None
+    step, what = min(found, key=lambda f: f[0])
+    return step, what + (located or "")
 
 
 def _divergence(b: Baseline, runs: list[RunData]) -> CriterionResult:

@@ -6,9 +6,16 @@ the last step ``eval/<metric>`` for each of the task's metrics.  Training batche
 step), so a checkpoint needs only the model, the optimizer (with the recipe's loss-scaler, Kahan and step state)
 and the RNG state to continue exactly: ``resume`` gives the same curve, bit for bit, as an uninterrupted run.
 
-A non-finite loss stops the run at that step: the value is recorded, with a ``diverged`` event naming the step,
-and the run is completed (a diverged run is a result the judge fails, not a crash).  An exception or Ctrl-C marks
-the run as failed with the reason, and re-raises.
+A non-finite loss, or a non-finite gradient norm that no loss scaler will skip, stops the run at that step: the
+values are recorded, with a ``diverged`` event naming the step, and the run is completed (a diverged run is a
+result the judge fails, not a crash).  Both values are computed every step anyway, so the check is free.  Before
+the optimizer step (parameters and optimizer state still those of the step's start) a single-process run then
+replays the step under ``lowprec.numerics.localize_nonfinite`` and records a ``nonfinite`` event naming the first
+module, tensor role and value summary.  For the replay to be exact, each step starts with a snapshot of what a
+forward/backward changes besides gradients: the module buffers (amax histories, stochastic-rounding counters,
+batch-norm statistics) and the CPU random generator; the batch is a pure function of (seed, step).  See
+``docs/debugging.md`` for the measured cost.  An exception or Ctrl-C marks the run as failed with the reason, and
+re-raises.
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ class _State:
     step: int = 0
     observer: Any = None
     """``lowprec.numerics.StatsObserver`` on rank 0 when ``config.stats.every`` is set."""
+    snapshot: _Snapshot | None = None
+    """The start of the current step, for replaying it (single process only)."""
 
 
 def _full_state(st: _State) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -172,37 +181,108 @@ def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
     return {f"eval/{k}": float(v) for k, v in metrics.items()}
 
 
-def _train_step(task: Task, st: _State, config: RunConfig, lr: float) -> dict[str, float]:
-    t0 = time.perf_counter()
-    for group in st.optimizer.param_groups:
-        group["lr"] = lr
-    if st.observer is not None:
-        st.observer.step(st.step)
-    inputs, targets = st.world.shard(task.train_batch(st.step))
+def _forward_backward(task: Task, st: _State, config: RunConfig, batch: int) -> tuple[torch.Tensor, float]:
+    """Forward and backward of batch ``batch`` (0-based), gradient norm and clipping: (local loss, norm)."""
+    inputs, targets = st.world.shard(task.train_batch(batch))
     loss = task.loss_fn(st.model(inputs), targets)
     st.optimizer.zero_grad()
     st.optimizer.scale_loss(loss).backward()
     st.wrapped.after_backward()
     params = [p for g in st.optimizer.param_groups for p in g["params"]]
-    norm = _grad_norm_and_clip(params, st.optimizer.scaler.scale, config.optimizer.grad_clip)
-    st.optimizer.step()
+    return loss, _grad_norm_and_clip(params, st.optimizer.scaler.scale, config.optimizer.grad_clip)
+
+
+class _Snapshot:
+    """What a forward/backward changes besides gradients: the module buffers (copied into storage kept between
+    steps: one ``_foreach_copy_``) and the CPU random state.  Parameters and optimizer state need no copy: the
+    check runs before the optimizer step."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.rng = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, model: torch.nn.Module) -> None:
+        bufs = [b.detach() for b in model.buffers()]
+        if len(bufs) != len(self.buffers) or any(a.shape != b.shape or a.dtype != b.dtype
+                                                 for a, b in zip(bufs, self.buffers, strict=True)):
+            self.buffers = [b.clone() for b in bufs]  # first step, or buffers changed (a fallback)
+        elif bufs:
+            torch._foreach_copy_(self.buffers, bufs)
+        self.rng = torch.get_rng_state()
+
+    def restore(self, model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), self.buffers, strict=True):
+                b.copy_(saved)
+        torch.set_rng_state(self.rng)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _replay(task: Task, st: _State, config: RunConfig, snap: _Snapshot, loss: float, norm: float) -> dict[str, Any]:
+    """Restore the step's start (``snap``; parameters and optimizer state are untouched before the optimizer step)
+    and run it again under ``localize_nonfinite``: the "nonfinite" event payload.  The replay's gradients replace
+    the original's (the same bits: ``replay_exact`` says whether loss and norm came out identical)."""
+    from ..numerics import localize_nonfinite
+
+    model = unwrap(st.model)
+    snap.restore(model)
+    got: list[tuple[torch.Tensor, float]] = []
+
+    def run_step() -> torch.Tensor:
+        got.append(_forward_backward(task, st, config, st.step))
+        return got[-1][0]
+
+    loc = localize_nonfinite(model, run_step, step=st.step + 1)
+    r_loss, r_norm = float(got[0][0].detach()), got[0][1]
+    payload: dict[str, Any] = loc.to_dict() if loc is not None else {
+        "module": None, "role": None, "step": st.step + 1,
+        "detail": "no tensor of the step was non-finite (e.g. the gradient norm overflowed from finite gradients)"}
+    payload.update(found=loc is not None, loss=repr(loss), grad_norm=repr(norm),
+                   replay_exact=_same(loss, r_loss) and _same(norm, r_norm))
+    return payload
+
+
+def _train_step(task: Task, st: _State, config: RunConfig, lr: float) -> tuple[dict[str, float], dict | None]:
+    """One optimizer step: (scalars to log, None or the "nonfinite" payload when the loss or gradient norm is
+    non-finite; an empty dict when the step could not be replayed, as in a data-parallel run)."""
+    t0 = time.perf_counter()
+    for group in st.optimizer.param_groups:
+        group["lr"] = lr
+    if st.observer is not None:
+        st.observer.step(st.step)
+    snap = st.snapshot
+    if snap is not None:
+        snap.take(unwrap(st.model))
+    loss, norm = _forward_backward(task, st, config, st.step)
     global_loss = st.world.mean(loss)
-    dt = time.perf_counter() - t0
+    bad: dict[str, Any] | None = None
+    replay_s = 0.0
+    if not math.isfinite(global_loss) or (not math.isfinite(norm) and not st.optimizer.scaler.enabled):
+        bad = {}
+        if snap is not None:
+            t1 = time.perf_counter()
+            bad = _replay(task, st, config, snap, float(loss.detach()), norm)
+            replay_s = time.perf_counter() - t1
+    st.optimizer.step()
+    dt = time.perf_counter() - t0 - replay_s
     out = {"train/loss": global_loss, "train/grad_norm": norm, "train/lr": lr, "train/step_time_s": dt,
            "train/samples_per_s": task.samples_per_step / dt}
     if st.wrapped.comm_bytes is not None:
         out["comm/bytes_sent"] = float(st.wrapped.comm_bytes())
-    return out
+    return out, bad
 
 
 def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: str, progress: Progress) -> None:
     steps, every = config.steps or 0, config.eval_interval or 1
     interval, main = config.checkpoint.interval, st.world.is_main
     while st.step < steps:
-        values = _train_step(task, st, config, config.schedule.lr_at(st.step, lr=config.optimizer.lr or 0.0,
-                                                                     steps=steps))
+        values, bad = _train_step(task, st, config, config.schedule.lr_at(st.step, lr=config.optimizer.lr or 0.0,
+                                                                          steps=steps))
         st.step += 1
-        diverged = not math.isfinite(values["train/loss"])
+        diverged = bad is not None
         if st.step % every == 0 or st.step == steps or diverged:
             values.update(_evaluate(task, unwrap(st.model)))
         if main:
@@ -214,6 +294,8 @@ def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: st
             store.log_scalars(run_id, st.step, values)
             progress.update(st.step, loss=values["train/loss"])
         if diverged:
+            if main and bad:
+                store.add_event(run_id, step=st.step, kind="nonfinite", payload=bad)
             if main:
                 store.add_event(run_id, step=st.step, kind="diverged",
                                 payload={"loss": repr(values["train/loss"]),
@@ -260,7 +342,8 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
     task = build_task(config, seed)
     config = config.for_seed(seed).resolve({**task.defaults, "batch_size": task.samples_per_step})
     wrapped = wrap_model(convert(task.model, config.recipe), config.recipe, world)
-    st = _State(model=wrapped.model, optimizer=make_optimizer(config, wrapped.model), world=world, wrapped=wrapped)
+    st = _State(model=wrapped.model, optimizer=make_optimizer(config, wrapped.model), world=world, wrapped=wrapped,
+                snapshot=None if world.distributed else _Snapshot())
     rid = _open_run(config, task, st, store, seed=seed, resume=resume, run_id=run_id)
     if config.stats.every and world.is_main:
         from ..numerics import StatsObserver
