@@ -1,6 +1,8 @@
 """Numerics observability: per-tensor quantization statistics, a hook-based observer for converted models, and
-NaN/Inf localisation (the first module and tensor of a step that went non-finite)."""
+NaN/Inf localisation (the first module and tensor of a step that went non-finite), and automatic per-layer
+precision fallback driven by the sampled statistics."""
 
+from ._fallback import FallbackController as FallbackController
 from ._localize import Localization as Localization
 from ._localize import localize_nonfinite as localize_nonfinite
 from ._localize import nonfinite_summary as nonfinite_summary
@@ -14,6 +16,7 @@ from ._tensor_stats import tensor_stats as tensor_stats
 __all__ = [
     "ROLES",
     "STATS",
+    "FallbackController",
     "Localization",
     "StatsObserver",
     "localize_nonfinite",

@@ -4,6 +4,7 @@ from ._named import PROFILES as PROFILES
 from ._named import get as get
 from ._named import names as names
 from ._recipe import Accumulator as Accumulator
+from ._recipe import Fallback as Fallback
 from ._recipe import Gemm as Gemm
 from ._recipe import GradComm as GradComm
 from ._recipe import LinearRecipe as LinearRecipe
@@ -17,6 +18,7 @@ from ._recipe import Weights as Weights
 __all__ = [
     "PROFILES",
     "Accumulator",
+    "Fallback",
     "Gemm",
     "GradComm",
     "LinearRecipe",

@@ -216,6 +216,58 @@ class GradComm:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Fallback:
+    """Opt-in automatic fallback: move one linear layer to a higher-precision ``LinearRecipe`` when the tensor
+    statistics the runner samples (``lowprec.numerics.StatsObserver``, every ``[stats] every`` steps) cross a
+    threshold on ``patience`` consecutive samples.  Any tensor role of the layer (input, weight, output,
+    grad_output, grad_input, grad_weight, measured against the layer's own spec) can trigger it; a layer falls
+    back once, for the rest of the run, and the run records a "fallback" event (``docs/debugging.md``)."""
+
+    underflow_pct: float | None = None
+    """Fall back when more than this % of a tensor's nonzero values quantize to zero (None: not watched)."""
+    overflow_pct: float | None = None
+    """Fall back when more than this % of a tensor's nonzero values overflow the format (None: not watched)."""
+    sqnr_db: float | None = None
+    """Fall back when a tensor's SQNR is below this many dB (None: not watched)."""
+    patience: int = 2
+    """Consecutive sampled steps a statistic must cross its threshold before the layer falls back."""
+    to: str | LinearRecipe = "bf16"
+    """Where the layer goes: a built-in recipe name (its ``linear`` part) or a ``LinearRecipe``."""
+
+    def __post_init__(self) -> None:
+        for field in ("underflow_pct", "overflow_pct"):
+            v = getattr(self, field)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 100:
+                    raise ValueError(f"Fallback.{field} must be a percentage in [0, 100) or None; got {v!r}")
+                object.__setattr__(self, field, float(v))  # 50 and 50.0: one recipe, one hash
+        if self.sqnr_db is not None:
+            v = self.sqnr_db
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), -float("inf")):
+                raise ValueError(f"Fallback.sqnr_db must be a finite number of dB or None; got {v!r}")
+            object.__setattr__(self, "sqnr_db", float(v))
+        if self.underflow_pct is None and self.overflow_pct is None and self.sqnr_db is None:
+            raise ValueError("Fallback needs a threshold: set underflow_pct, overflow_pct or sqnr_db")
+        _int_in(self.patience, 1, 1 << 30, "Fallback.patience")
+        if isinstance(self.to, str):
+            from ._named import names
+
+            if self.to not in names():
+                raise ValueError(f"Fallback.to must be a LinearRecipe or a built-in recipe name ({', '.join(names())});"
+                                 f" got {self.to!r}")
+        elif not isinstance(self.to, LinearRecipe):
+            raise ValueError(f"Fallback.to must be a LinearRecipe or a recipe name; got {type(self.to).__name__}")
+
+    def target(self) -> LinearRecipe:
+        """The ``LinearRecipe`` a layer falls back to."""
+        if isinstance(self.to, LinearRecipe):
+            return self.to
+        from ._named import get
+
+        return get(self.to).linear
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Everything about the numerics of a training run.  Plain data; see the module docstring."""
 
@@ -235,6 +287,8 @@ class Recipe:
     """Seed of the stochastic-rounding streams (weight updates, stochastic GEMM operands)."""
     grad_comm: GradComm | None = None
     """Data-parallel gradient communication format (None: float32 all-reduce)."""
+    fallback: Fallback | None = None
+    """Opt-in automatic per-layer fallback to a higher-precision recipe (None: off; left out of the hash then)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -252,6 +306,8 @@ class Recipe:
             if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"Recipe.{field} must be a tuple of strings; got {value!r}")
         _int_in(self.seed, 0, (1 << 63) - 1, "Recipe.seed")
+        if self.fallback is not None and not isinstance(self.fallback, Fallback):
+            raise ValueError(f"Recipe.fallback must be a Fallback or None; got {type(self.fallback).__name__}")
 
     # ------------------------------------------------------------------------------------------- serialising
     def to_dict(self) -> dict[str, Any]:

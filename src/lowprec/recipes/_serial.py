@@ -29,6 +29,7 @@ _NESTED: dict[tuple[type, str], type] = {
     (R.Recipe, "optimizer"): R.OptimizerState,
     (R.Recipe, "loss_scaling"): R.LossScaling,
     (R.Recipe, "grad_comm"): R.GradComm,
+    (R.Recipe, "fallback"): R.Fallback,
 }
 _SPEC_FIELDS = {(R.Operand, "spec"), (R.OptimizerState, "exp_avg"), (R.OptimizerState, "exp_avg_sq"),
                 (R.OptimizerState, "grad"), (R.GradComm, "spec")}
@@ -68,6 +69,8 @@ def _from_plain(cls: type[T], data: Any, path: str) -> T:
             kw[key] = _from_plain(_NESTED[(cls, key)], value, sub)
         elif (cls, key) in _SPEC_FIELDS:
             kw[key] = _spec(value, sub)
+        elif cls is R.Fallback and key == "to" and isinstance(value, dict):  # a LinearRecipe table, or a name
+            kw[key] = _from_plain(R.LinearRecipe, value, sub)
         elif cls is R.Recipe and key == "overrides":
             kw[key] = tuple(_override(item, f"{sub}[{i}]") for i, item in enumerate(value))
         elif "tuple" in str(hints.get(key)) and isinstance(value, list):

@@ -14,7 +14,12 @@ replays the step under ``lowprec.numerics.localize_nonfinite`` and records a ``n
 module, tensor role and value summary.  For the replay to be exact, each step starts with a snapshot of what a
 forward/backward changes besides gradients: the module buffers (amax histories, stochastic-rounding counters,
 batch-norm statistics) and the CPU random generator; the batch is a pure function of (seed, step).  See
-``docs/debugging.md`` for the measured cost.  An exception or Ctrl-C marks the run as failed with the reason, and
+``docs/debugging.md`` for the measured cost.
+
+A recipe with a ``fallback`` policy (single process only) samples the tensor statistics (``[stats] every``, or
+``FALLBACK_EVERY``) and moves a layer whose statistics cross the policy's thresholds to the higher-precision
+``LinearRecipe``, with a ``fallback`` event; the decisions and running counts travel in checkpoints, so a resumed
+run repeats the same fallbacks at the same steps.  An exception or Ctrl-C marks the run as failed with the reason, and
 re-raises.
 """
 
@@ -40,6 +45,17 @@ from .zoo import Task, get_task
 
 SHARDED = ("fsdp2", "hsdp")
 """Layouts whose checkpoints are sharded (torch.distributed.checkpoint)."""
+
+
+FALLBACK_EVERY = 50
+"""Sampling interval of the statistics a recipe's ``fallback`` policy reads when ``[stats] every`` is unset (the
+observer's cost at 50 is a few % of step time; see docs/numerics.md)."""
+
+
+def _check_fallback(config: RunConfig, world: World | None = None) -> None:
+    if config.parallel.strategy != "single" or (world is not None and world.distributed):
+        raise ValueError("recipe.fallback (automatic per-layer fallback) works in single-process runs only; set "
+                         "parallel.strategy = \"single\" or remove the recipe's fallback")
 
 
 def build_task(config: RunConfig, seed: int) -> Task:
@@ -85,6 +101,8 @@ class _State:
     """``lowprec.numerics.StatsObserver`` on rank 0 when ``config.stats.every`` is set."""
     snapshot: _Snapshot | None = None
     """The start of the current step, for replaying it (single process only)."""
+    fallback: Any = None
+    """``lowprec.numerics.FallbackController`` when the recipe has a ``fallback`` policy."""
 
 
 def _full_state(st: _State) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -115,7 +133,7 @@ def _checkpoint(config: RunConfig, run_id: str, st: _State) -> None:
     rank saves its shards with torch.distributed.checkpoint.  Either kind resumes on any world size and layout."""
     directory = checkpoint_dir(config.store, run_id)
     extra = {"run_id": run_id, "step": st.step, "torch_rng": torch.get_rng_state(), "config": config.to_dict(),
-             "world_size": st.world.size}
+             "world_size": st.world.size, "fallback": st.fallback.state_dict() if st.fallback is not None else None}
     if st.world.strategy in SHARDED:
         from ._dcp import save_sharded
 
@@ -157,6 +175,8 @@ def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore) -> Non
     state: dict[str, Any] | None = None
     if kind == "file":
         state = load_checkpoint(path)
+        if st.fallback is not None:  # swap the fallen-back layers first: their buffers are in the state dict
+            st.fallback.load_state_dict(state.get("fallback") or {})
         _load_full_state(st, state["model"], state["optimizer"])
     elif kind == "sharded":
         state = load_sharded(path, st.model if st.world.strategy in SHARDED else unwrap(st.model), st.optimizer)
@@ -291,6 +311,9 @@ def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: st
                     values.update(stats)
                 else:
                     store.log_scalars(run_id, s + 1, stats)
+                for event in st.fallback.update(s + 1, stats) if st.fallback is not None else []:
+                    store.add_event(run_id, step=st.step, kind="fallback",
+                                    payload={**event, "applies_from_step": st.step + 1})
             store.log_scalars(run_id, st.step, values)
             progress.update(st.step, loss=values["train/loss"])
         if diverged:
@@ -344,11 +367,18 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
     wrapped = wrap_model(convert(task.model, config.recipe), config.recipe, world)
     st = _State(model=wrapped.model, optimizer=make_optimizer(config, wrapped.model), world=world, wrapped=wrapped,
                 snapshot=None if world.distributed else _Snapshot())
+    policy = config.recipe.fallback
+    if policy is not None:
+        _check_fallback(config, world)
+        from ..numerics import FallbackController
+
+        st.fallback = FallbackController(unwrap(st.model), policy, seed=config.recipe.seed)
     rid = _open_run(config, task, st, store, seed=seed, resume=resume, run_id=run_id)
-    if config.stats.every and world.is_main:
+    every = config.stats.every or (FALLBACK_EVERY if policy is not None else None)
+    if every and world.is_main:
         from ..numerics import StatsObserver
 
-        st.observer = StatsObserver(unwrap(st.model), every=config.stats.every, what_if=config.stats.what_if)
+        st.observer = StatsObserver(unwrap(st.model), every=every, what_if=config.stats.what_if)
     bar = Progress(f"{config.label} seed {seed}", config.steps or 0, start=st.step,
                    enabled=progress and world.is_main)
     try:
@@ -375,6 +405,8 @@ def run_config(config: RunConfig, *, store: RunStore, progress: bool = True) -> 
     ids."""
     if config.parallel.strategy == "single":
         return [train(config, seed=s, store=store, progress=progress) for s in config.seeds]
+    if config.recipe.fallback is not None:
+        _check_fallback(config)
     from ._launch import launch
 
     ids = []
