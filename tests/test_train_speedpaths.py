@@ -5,7 +5,8 @@
   top 14 mantissa bits run through all values (with several low-bit patterns) in every binade around the
   format's subnormal range, its largest binades and a few in between, both signs, plus random bit patterns.
   Through the public quantizers the oracle is the same call with the fast paths turned off
-  (``lowprec.quant._backend.fast_paths(False)``).
+  (``lowprec.quant._backend.fast_paths(False)``).  Each comparison runs twice: through the fused C loop
+  (``lowprec.quant._native``, built with the system compiler) and through the tensor-operation route.
 * One quantization per tensor shared between GEMMs (``_linear.shares_quantization``).  Oracle: the per-GEMM
   implementation (every operand quantized for its own GEMM, ``_linear.gemm``), obtained by making
   ``shares_quantization`` answer False; forward output and both gradients over several training steps compared
@@ -23,13 +24,22 @@ from torch import nn
 import lowprec
 import lowprec.nn._linear as lin_mod
 from lowprec import formats
-from lowprec.quant import QuantSpec, _backend
+from lowprec.quant import QuantSpec, _backend, _native
 from lowprec.quant._elementwise import fast_round_ok, round_nearest_fast
 from lowprec.quant._round import quantize_f32
 from lowprec.quant._scaled import fake_quantize_tensors
 from lowprec.testing import assert_bitwise_equal
 
 FAST_FORMATS = [n for n in formats.names() if fast_round_ok(formats.get(n), "nearest")]
+
+
+@pytest.fixture(params=["native", "tensor-ops"])
+def route(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Run the test through the fused C kernels and again through the tensor operations they replace."""
+    if request.param == "native" and not _native.available():
+        pytest.skip("no C compiler here: the native kernels are not built (the tensor-ops route is tested)")
+    with _native.enabled(request.param == "native"):
+        yield request.param
 
 
 def _binade_sweep(exponent: int) -> torch.Tensor:
@@ -52,7 +62,7 @@ def _exponents(fmt: formats.FormatSpec) -> list[int]:
 
 @pytest.mark.parametrize("name", FAST_FORMATS)
 @pytest.mark.parametrize("saturate", [False, True])
-def test_round_nearest_fast_matches_kernel(name: str, saturate: bool) -> None:
+def test_round_nearest_fast_matches_kernel(route: str, name: str, saturate: bool) -> None:
     fmt = formats.get(name)
     g = torch.Generator().manual_seed(3)
     rand = torch.randint(-(1 << 31), 1 << 31, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32)
@@ -71,7 +81,7 @@ def test_round_nearest_fast_matches_kernel(name: str, saturate: bool) -> None:
     assert checked >= 3
 
 
-def test_round_nearest_fast_declines_nonfinite_and_keeps_input() -> None:
+def test_round_nearest_fast_declines_nonfinite_and_keeps_input(route: str) -> None:
     fmt = formats.get("float8_e4m3fn")
     v = torch.tensor([1.0, float("nan")])
     assert round_nearest_fast(v, fmt, saturate=True) is None
@@ -83,6 +93,24 @@ def test_round_nearest_fast_declines_nonfinite_and_keeps_input() -> None:
     assert out is not None
     assert_bitwise_equal(w, before, context="input unchanged")
     assert_bitwise_equal(out, torch.tensor([448.0, -0.0, -0.0, 3.25]), context="values")
+
+
+def test_native_route_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused kernels really run where they apply (contiguous float32 CPU tensors outside autograd), and not
+    where they do not (a transposed view, a tensor that requires grad)."""
+    if not _native.available():
+        pytest.skip("no C compiler here: the native kernels are not built")
+    calls: list[int] = []
+    real = _native.round_nearest
+    monkeypatch.setattr(_native, "round_nearest", lambda x, **kw: calls.append(x.numel()) or real(x, **kw))
+    x = torch.randn(64, 32)
+    lowprec.quant.fake_quantize(x, "fp8_e4m3_tensorwise")
+    lowprec.quantize(x, "float8_e5m2")
+    lowprec.quant.fake_quantize(x, "mxfp8_e4m3")
+    assert calls == [x.numel()] * 3
+    lowprec.quantize(x.t(), "float8_e5m2")
+    lowprec.quantize(x.clone().requires_grad_(), "float8_e5m2")
+    assert len(calls) == 3
 
 
 def _varied(shape: tuple[int, ...], seed: int, special: bool) -> torch.Tensor:
@@ -122,7 +150,7 @@ def _fast_and_reference(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 @pytest.mark.parametrize("special", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fake_quantize_fast_matches_kernel(spec: str | QuantSpec, special: bool, dtype: torch.dtype) -> None:
+def test_fake_quantize_fast_matches_kernel(route: str, spec: str | QuantSpec, special: bool, dtype: torch.dtype) -> None:
     x = _varied((48, 100), 1, special).to(dtype)
     for t in (x, x.t()):
         fast, ref = _fast_and_reference(lowprec.quant.fake_quantize, t, spec)
@@ -131,7 +159,7 @@ def test_fake_quantize_fast_matches_kernel(spec: str | QuantSpec, special: bool,
 
 
 @pytest.mark.parametrize("saturate", [False, True])
-def test_tensorwise_fast_matches_kernel(saturate: bool) -> None:
+def test_tensorwise_fast_matches_kernel(route: str, saturate: bool) -> None:
     """Tensorwise float32 scales with margins, all-zero and tiny tensors, and explicit (delayed) amaxes from zero to
     far below the tensor's own (scaled values overflow the format)."""
     x = _varied((32, 64), 2, False)
@@ -149,7 +177,7 @@ def test_tensorwise_fast_matches_kernel(saturate: bool) -> None:
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "float6_e2m3fn"])
 @pytest.mark.parametrize("saturate", [False, True])
 @pytest.mark.parametrize("special", [False, True])
-def test_quantize_fast_matches_kernel(fmt: str, saturate: bool, special: bool) -> None:
+def test_quantize_fast_matches_kernel(route: str, fmt: str, saturate: bool, special: bool) -> None:
     x = _varied((40, 70), 4, special)
     for t in (x, x * 1e3, x.to(torch.float16)):
         fast, ref = _fast_and_reference(lowprec.quantize, t, fmt, saturate=saturate)

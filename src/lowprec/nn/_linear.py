@@ -22,7 +22,7 @@ step)`` with the step counter in the buffer ``lp_step``.  Those buffers exist on
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -130,6 +130,26 @@ def _is_plain(g: Gemm) -> bool:
     return g.a.spec is None and g.b.spec is None and g.accumulator.format is None and g.output_format is None
 
 
+class _Plan(NamedTuple):
+    """What a module's recipe implies for every call, worked out once per recipe (``EmulatedLinear._plan``)."""
+
+    plain_forward: bool  # the forward GEMM emulates nothing: nn.Linear's own addmm
+    share_x: bool  # Q(x) of the forward serves grad_weight (``shares_quantization``)
+    share_w: bool  # Q(W) of the forward serves grad_input
+    share_g: bool  # Q(dY) of grad_input serves grad_weight
+
+
+def _plan_for(rec: LinearRecipe) -> _Plan:
+    return _Plan(_is_plain(rec.forward), shares_quantization(rec.forward.a, rec.grad_weight.b),
+                 shares_quantization(rec.forward.b, rec.grad_input.b),
+                 shares_quantization(rec.grad_input.a, rec.grad_weight.a))
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the dispatch when it is already that dtype (a few microseconds per call)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class _LinearFn(torch.autograd.Function):
     """The three GEMMs of the module docstring.  Where ``shares_quantization`` allows, a tensor is quantized once:
     Q(x) serves forward and grad_weight (and is what is saved for backward instead of x), Q(W) forward and
@@ -140,13 +160,13 @@ class _LinearFn(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, info: _Ctx
     ) -> torch.Tensor:
         m = info.module
-        rec = m.recipe
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
-        w = weight.to(torch.float32)
-        amax = m._delayed_amax({"input": x2, "weight": w})
+        rec, plan = m.recipe, m._plan()
+        x2 = _as(x.reshape(-1, x.shape[-1]), torch.float32)
+        w = _as(weight, torch.float32)
+        amax = m._delayed_amax({"input": x2, "weight": w}) if m._delayed else {}
         fwd = rec.forward
-        if _is_plain(fwd):  # nothing to emulate: exactly nn.Linear's float32 addmm
-            y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(torch.float32))
+        if plan.plain_forward:  # nothing to emulate: exactly nn.Linear's float32 addmm
+            y = torch.nn.functional.linear(x2, w, None if bias is None else _as(bias, torch.float32))
             qx, qw = x2, w
         else:
             # y = x @ W^T   [B,K] @ [K,N] -> [B,N]; the bias is added after the GEMM, as torchao does
@@ -154,33 +174,34 @@ class _LinearFn(torch.autograd.Function):
             qw = quantize_operand(w, fwd, "forward", "b", info.keys, amax)
             y = product(qx, qw, fwd)
             if bias is not None:
-                y = y + bias.to(torch.float32)
-        ctx.share_x = shares_quantization(fwd.a, rec.grad_weight.b)
-        ctx.share_w = shares_quantization(fwd.b, rec.grad_input.b)
+                y = y + _as(bias, torch.float32)
+        ctx.share_x, ctx.share_w, ctx.share_g = plan.share_x, plan.share_w, plan.share_g
         ctx.save_for_backward(qx if ctx.share_x else x2, qw if ctx.share_w else w)
         ctx.info, ctx.amax, ctx.has_bias = info, amax, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         out = y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])  # 2-D: no view (FSDP2 hooks need that)
-        return out.to(x.dtype)
+        return _as(out, x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x2, w = ctx.saved_tensors  # Q(x) / Q(W) where shared with the forward GEMM
         m, keys = ctx.info.module, ctx.info.keys
         gi, gw = m.recipe.grad_input, m.recipe.grad_weight
-        g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
-        amax = dict(ctx.amax)
-        amax.update(m._delayed_amax({"grad_output": g2}))
+        g2 = _as(grad_out.reshape(-1, grad_out.shape[-1]), torch.float32)
+        amax = ctx.amax
+        if m._delayed:
+            amax = dict(amax)
+            amax.update(m._delayed_amax({"grad_output": g2}))
         # Gradients nobody asked for (a first layer's input) are skipped; random bits are counter-based per
         # (GEMM, operand, step), so skipping one quantization changes no other.
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        share_g = shares_quantization(gi.a, gw.a)
+        share_g = ctx.share_g
         qg = quantize_operand(g2, gi, "grad_input", "a", keys, amax) if need_x or (need_w and share_g) else g2
         gx = gw_out = gb = None
         if need_x:
             # grad_input = dY @ W   [B,N] @ [N,K] -> [B,K]   (b = W^T [K,N], reduction dim N last)
             qw_t = w.t() if ctx.share_w else quantize_operand(w.t(), gi, "grad_input", "b", keys, amax)
-            gx = product(qg, qw_t, gi).reshape(ctx.x_shape).to(ctx.x_dtype)
+            gx = _as(product(qg, qw_t, gi).reshape(ctx.x_shape), ctx.x_dtype)
         if need_w:
             # grad_weight = dY^T @ x   [N,B] @ [B,K] -> [N,K]   (a = dY^T [N,B], b = x^T [K,B])
             if share_g:
@@ -188,7 +209,7 @@ class _LinearFn(torch.autograd.Function):
             else:
                 qg_t = quantize_operand(g2.t(), gw, "grad_weight", "a", keys, amax)
             qx_t = x2.t() if ctx.share_x else quantize_operand(x2.t(), gw, "grad_weight", "b", keys, amax)
-            gw_out = product(qg_t, qx_t, gw).to(ctx.w_dtype)
+            gw_out = _as(product(qg_t, qx_t, gw), ctx.w_dtype)
         if ctx.has_bias and need_b:
             gb = g2.sum(0)
         return gx, gw_out, gb, None
@@ -215,6 +236,7 @@ class EmulatedLinear(nn.Linear):
 
     def _setup(self, recipe: LinearRecipe, seed: int, name: str) -> None:
         self.recipe = recipe
+        self._plan_cache = (recipe, _plan_for(recipe))
         self.lowprec_name = name
         ops = _operands(recipe)
         self._delayed: dict[str, int] = {}
@@ -259,6 +281,13 @@ class EmulatedLinear(nn.Linear):
         lin.weight, lin.bias = self.weight, self.bias
         _copy_module_state(self, lin)
         return lin
+
+    def _plan(self) -> _Plan:
+        """The per-recipe plan, recomputed when ``self.recipe`` is replaced (e.g. by an automatic fallback)."""
+        cached = self._plan_cache
+        if cached[0] is not self.recipe:
+            cached = self._plan_cache = (self.recipe, _plan_for(self.recipe))
+        return cached[1]
 
     def _delayed_amax(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """For each delayed role in ``tensors``: the amax to scale with now, and record the current amax.

@@ -35,7 +35,7 @@ import torch
 
 from .. import formats
 from ..formats import FormatSpec
-from . import _backend, _random
+from . import _backend, _native, _random
 from ._round import quantize_f32
 from ._validate import Rounding, check_bool, check_offset, check_rounding, check_seed
 
@@ -106,28 +106,38 @@ def round_nearest_fast(
     """
     if not fast_round_ok(fmt, "nearest") or v.numel() == 0 or v.dtype != torch.float32:
         return None
+    if vmax is None and _native.usable(v):
+        vmax = _native.absmax(v)
+        if vmax is None:
+            return None  # NaN or inf somewhere: the kernel's special-value rules apply
     if vmax is None:
         lo_t, hi_t = torch.aminmax(v)
         lo, hi = lo_t.item(), hi_t.item()
         if not (math.isfinite(lo) and math.isfinite(hi)):
             return None  # NaN or inf somewhere: the kernel's special-value rules apply
         vmax = max(abs(lo), abs(hi))
-    fmax, mb = fmt.max, fmt.mbits
     if not math.isfinite(vmax):
         return None
-    if vmax > fmax:
-        if not (saturate or fmt.special == "finite"):
-            return None  # overflow to inf/NaN: the kernel's rules
+    clamp = clamp_for(fmt, vmax, saturate)
+    if clamp is False:
+        return None
+    fmax, mb = fmt.max, fmt.mbits
+    native = (_NATIVE_RNE_CUDA if v.is_cuda else _NATIVE_RNE).get(fmt.name)
+    big = min(vmax, fmax) >= 2.0 ** (126 - (24 - mb))  # C = 1.5 * 2^(E + 23 - M) and v + C must stay finite
+    if not big and _native.usable(v):  # the same operations fused in one C loop (_native.c)
+        k, cmin = route_constants(fmt)
+        return _native.round_nearest(v, k=k, cmin=cmin, clamp=clamp, signed_zero=fmt.has_negative_zero,
+                                     out=v if sign is not None else None)
+    if clamp is not None:
         # clamping before rounding = rounding then saturating (fmax is on the grid)
         v = v.clamp_(-fmax, fmax) if sign is not None else torch.clamp(v, -fmax, fmax)
-        vmax = fmax
-    native = (_NATIVE_RNE_CUDA if v.is_cuda else _NATIVE_RNE).get(fmt.name)
     if native is not None:  # finite and in range: torch's own cast is the same round-to-nearest-even, in 2 passes
         return v.to(native).to(torch.float32)
-    if vmax >= 2.0 ** (126 - (24 - mb)):
-        return None  # C = 1.5 * 2^(E + 23 - M) and v + C must stay finite
+    if big:
+        return None
+    k, cmin = route_constants(fmt)
     c = (v.view(torch.int32) & _EXP_BITS).view(torch.float32)  # 2^E (0 for zero and float32 subnormals)
-    c.mul_(1.5 * 2.0 ** (23 - mb)).clamp_(min=1.5 * 2.0 ** (23 + fmt.emin - mb))
+    c.mul_(k).clamp_(min=cmin)
     if sign is None:
         sign = v
         r = torch.add(v, c)
@@ -137,6 +147,20 @@ def round_nearest_fast(
     if fmt.has_negative_zero:
         r.copysign_(sign)
     return r
+
+
+def clamp_for(fmt: FormatSpec, vmax: float, saturate: bool) -> float | None | bool:
+    """How the fast route treats values up to ``vmax`` in magnitude: None (all in range), ``fmt.max`` (clamp to
+    +-max first: saturation, or a format without inf/NaN encodings) or False (overflow to inf/NaN: the kernel's
+    rules apply, not the fast route)."""
+    if vmax <= fmt.max:
+        return None
+    return fmt.max if saturate or fmt.special == "finite" else False
+
+
+def route_constants(fmt: FormatSpec) -> tuple[float, float]:
+    """The fast route's ``k = 1.5 * 2^(23 - M)`` and ``cmin = 1.5 * 2^(23 + emin - M)`` (module docstring)."""
+    return 1.5 * 2.0 ** (23 - fmt.mbits), 1.5 * 2.0 ** (23 + fmt.emin - fmt.mbits)
 
 
 def _kernel(

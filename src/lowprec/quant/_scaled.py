@@ -28,8 +28,15 @@ from typing import NamedTuple, TypeAlias
 
 import torch
 
-from . import _backend, _codec, _groups, _random
-from ._elementwise import check_tensor, fast_round_ok, round_nearest_fast, stochastic_args
+from . import _backend, _codec, _groups, _native, _random
+from ._elementwise import (
+    check_tensor,
+    clamp_for,
+    fast_round_ok,
+    round_nearest_fast,
+    route_constants,
+    stochastic_args,
+)
 from ._round import quantize_f32
 from ._scale import _F32_MAX, group_scale, tensor_scale_from_amax, uses_multiplier
 from ._spec import QuantSpec
@@ -162,11 +169,18 @@ def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None
     (double has more than 2 * 24 + 2 bits), which is what torch's float32 operations give.  ``max |x * m|`` is
     ``fl(max |x| * m)`` because rounding is monotonic.
     """
-    lo_t, hi_t = torch.aminmax(x)
-    lo, hi = lo_t.item(), hi_t.item()
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return None  # NaN or inf in x: the kernels' rules
-    xmax = max(abs(lo), abs(hi))
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+    native = _native.usable(xf)
+    if native:
+        xmax = _native.absmax(xf)
+        if xmax is None:
+            return None  # NaN or inf in x: the kernels' rules
+    else:
+        lo_t, hi_t = torch.aminmax(x)
+        lo, hi = lo_t.item(), hi_t.item()
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return None  # NaN or inf in x: the kernels' rules
+        xmax = max(abs(lo), abs(hi))
     a = xmax if amax is None else float(amax.to(torch.float32).item())
     if not (math.isfinite(a) and a >= 0.0):
         return None
@@ -176,9 +190,19 @@ def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None
         m = _f32(m * 2.0**-spec.margin)
     if not (math.isfinite(m) and m > 0.0):
         return None
-    xf = x.to(torch.float32)
+    vmax = _f32(xmax * m)
+    fmt = spec.format
+    # one fused pass (x * m, round, times 1/m) where x * m stays finite and v + C cannot overflow (_native.c)
+    if native and math.isfinite(vmax) and min(vmax, fmt.max) < 2.0 ** (126 - (24 - fmt.mbits)):
+        clamp = clamp_for(fmt, vmax, spec.saturate)
+        if clamp is False:
+            return None
+        k, cmin = route_constants(fmt)
+        y = _native.round_nearest(xf, k=k, cmin=cmin, mul=m, post=_f32(1.0 / m), clamp=clamp,
+                                  signed_zero=fmt.has_negative_zero)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
     v = xf * m
-    q = round_nearest_fast(v, spec.format, saturate=spec.saturate, vmax=_f32(xmax * m), sign=xf)
+    q = round_nearest_fast(v, fmt, saturate=spec.saturate, vmax=vmax, sign=xf)
     if q is None:
         return None
     return q.mul_(_f32(1.0 / m)).to(x.dtype)
