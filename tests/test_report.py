@@ -173,3 +173,45 @@ def test_renders_in_headless_chromium(report, tmp_path) -> None:
     assert proc.returncode == 0
     assert out.count("<svg") == 3 and "polyline" in out and "FAIL" in out
     assert "&lt;script&gt;" in out and "<script>alert" not in out
+
+
+def _with_stats(run, planted: dict[tuple[str, str, int], tuple[float, float]]):  # type: ignore[no-untyped-def]
+    """``run`` plus per-layer statistics scalars as the runner logs them (``stats/<module>/<role>/<stat>``)."""
+    scalars = dict(run.scalars)
+    for stat, k in (("sqnr_db", 0), ("underflow_pct", 1)):
+        for (module, role) in {(m, r) for m, r, _ in planted}:
+            pts = sorted((s, v[k]) for (m, r, s), v in planted.items() if (m, r) == (module, role))
+            scalars[f"stats/{module}/{role}/{stat}"] = (np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
+    return dataclasses.replace(run, scalars=scalars)
+
+
+def test_numerics_heatmaps_show_each_planted_statistic(tmp_path) -> None:
+    # Oracle: the planted per-layer values; each heatmap cell's tooltip must carry exactly its (layer, step)
+    # value, an unsampled (layer, step) is a grey "not sampled" cell, and a fallback event is listed.
+    rng = np.random.default_rng(5)
+    base = build_baseline("ref", [make_run(rng, s) for s in range(2)])
+    planted = {("fc1", "input", 10): (31.5, 0.0), ("fc1", "input", 20): (28.25, 0.5),
+               ("fc1", "weight", 10): (35.0, 0.0), ("fc1", "weight", 20): (float("inf"), 0.0),
+               ("head", "grad_output", 20): (12.75, 42.0)}  # head not sampled at step 10
+    cand = _with_stats(make_run(rng, 9), planted)
+    cand = dataclasses.replace(cand, events=[{"step": 20, "kind": "fallback",
+                                              "payload": {"module": "head", "statistic": "underflow_pct"}}])
+    text = write_report(tmp_path / "r.html", baseline=base, runs=[cand], verdict=None).read_text(encoding="utf-8")
+    assert "<h2>Per-layer numerics</h2>" in text
+    svgs = [ET.fromstring(s) for s in re.findall(r"<svg\b.*?</svg>", text, flags=re.S)]
+    heat = [s for s in svgs if "SQNR of each" in (s.findtext(f"{SVG_NS}title") or "")
+            or "underflow" in (s.findtext(f"{SVG_NS}title") or "")]
+    assert len(heat) == 2
+    for svg, k, unit in ((heat[0], 0, "dB"), (heat[1], 1, "%")):
+        tips = {r.findtext(f"{SVG_NS}title"): r.get("fill") for r in svg.iter(f"{SVG_NS}rect")
+                if r.findtext(f"{SVG_NS}title")}
+        assert len(tips) == 6  # 3 tensors x 2 sampled steps
+        for (m, r, s), v in planted.items():
+            shown = "inf" if v[k] == float("inf") else f"{v[k]:.4g}"
+            assert f"{m} {r} step {s}: {unit} {shown}" in tips, (m, r, s, sorted(tips))
+        assert tips[f"head grad_output step 10: {unit} not sampled"] == "#dddddd"
+    # SQNR colors: the best (inf, green end) differs from the worst (12.75 dB, toward red)
+    sq = {r.findtext(f"{SVG_NS}title"): r.get("fill") for r in heat[0].iter(f"{SVG_NS}rect")}
+    assert sq["fc1 weight step 20: dB inf"] == "#1a9850"
+    assert sq["head grad_output step 20: dB 12.75"] not in ("#1a9850", "#dddddd")
+    assert "fallback" in text and "underflow_pct" in text

@@ -4,7 +4,9 @@ Sections: the headline verdict; smoothed training loss of each candidate over th
 min/max band, and the judge's acceptance band for the mean of the candidates, dashed); the final eval metrics of
 every run (a table and a strip chart per metric); the verdict table (PASS green, FAIL red) with each reason; the
 config and manifest keys whose values differ between the baseline and each candidate (nested dicts flattened to
-dotted keys: recipe, versions, hardware, ...); the acceptance criteria.  No external asset, no script: the charts
+dotted keys: recipe, versions, hardware, ...); the acceptance criteria; and, for runs that sampled per-layer
+statistics (``[stats] every``), layer x step heatmaps of SQNR and underflow plus their fallback / non-finite
+events.  No external asset, no script: the charts
 are inline SVG (``_svg``) and every text taken from a run is escaped.
 """
 
@@ -24,7 +26,7 @@ from ._atomic import atomic_write_text
 from ._baseline import LOSS_KEY, Baseline, RunData, final_value, identity_config
 from ._judge import Verdict, candidate_mean_curve, curve_band
 from ._stats import smooth
-from ._svg import PALETTE, Band, Line, esc, line_chart, strip_chart
+from ._svg import PALETTE, Band, Line, esc, heatmap, line_chart, strip_chart
 
 _CSS = """
 body { font-family: sans-serif; margin: 24px; color: #222; max-width: 1100px; }
@@ -179,6 +181,60 @@ def _diff_section(b: Baseline, runs: list[RunData]) -> str:
     return "\n".join(out)
 
 
+_HEAT_MAX_COLS = 120
+_HEAT_MAX_ROWS = 60
+
+
+def stats_grid(run: RunData, stat: str) -> tuple[list[str], list[int], np.ndarray]:
+    """Rows ("module role"), sampled steps and the ``rows x steps`` values of per-layer statistic ``stat`` of the
+    recipe's own specs (what-if specs left out) from a run's ``stats/<module>/<role>/<stat>`` scalars."""
+    from ..numerics import records_from_scalars
+
+    recs = [r for r in records_from_scalars(run.scalars) if r["what_if"] is None and stat in r["stats"]]
+    rows = sorted({(r["module"], r["role"]) for r in recs})
+    steps = sorted({int(r["step"]) for r in recs})
+    grid = np.full((len(rows), len(steps)), np.nan)
+    ri = {k: i for i, k in enumerate(rows)}
+    si = {s: j for j, s in enumerate(steps)}
+    for r in recs:
+        grid[ri[(r["module"], r["role"])], si[int(r["step"])]] = r["stats"][stat]
+    return [f"{m} {role}" for m, role in rows], steps, grid
+
+
+def _numerics_section(runs: list[RunData]) -> str:
+    """Per run with sampled statistics: layer x step heatmaps of SQNR and underflow, and its numerics events."""
+    out = []
+    for r in runs:
+        events = [e for e in r.events if e.get("kind") in ("fallback", "nonfinite", "diverged")]
+        labels, steps, sqnr = stats_grid(r, "sqnr_db")
+        if not labels and not events:
+            continue
+        out.append(f"<h3>{esc(r.name)} <span class=\"muted\">({esc(r.run_id)})</span></h3>")
+        if labels:
+            cols = np.linspace(0, len(steps) - 1, min(len(steps), _HEAT_MAX_COLS)).round().astype(int)
+            cols = np.unique(cols)
+            shown = [steps[j] for j in cols]
+            keep = slice(0, _HEAT_MAX_ROWS)
+            out.append(heatmap(rows=labels[keep], cols=shown, values=sqnr[keep][:, cols],
+                               title="SQNR of each quantized tensor (dB; higher is better)", value_label="dB",
+                               value_range=(0.0, 40.0), higher_is_better=True))
+            ul, us, under = stats_grid(r, "underflow_pct")
+            if ul:
+                finite = under[np.isfinite(under)]
+                top = max(1.0, float(finite.max()) if finite.size else 1.0)
+                out.append(heatmap(rows=ul[keep], cols=[us[j] for j in cols], values=under[keep][:, cols],
+                                   title="underflow: nonzero values that quantize to zero (%; lower is better)",
+                                   value_label="%", value_range=(0.0, top), higher_is_better=False))
+            if len(labels) > _HEAT_MAX_ROWS:
+                out.append(f'<p class="muted">First {_HEAT_MAX_ROWS} of {len(labels)} tensors shown; '
+                           "`lowprec stats RUN` lists the worst.</p>")
+        if events:
+            rows = [[esc(e.get("step")), esc(e.get("kind")), f"<code>{esc(_show(e.get('payload')))}</code>"]
+                    for e in events]
+            out.append(_table(["step", "event", "details"], rows))
+    return "\n".join(out)
+
+
 def write_report(path: str | os.PathLike, *, baseline: Baseline, runs: list[RunData],
                  verdict: Verdict | Sequence[Verdict] | None, title: str = "lowprec accuracy report") -> Path:
     """Write the HTML report atomically to ``path`` (directories created) and return the path.
@@ -206,6 +262,9 @@ def write_report(path: str | os.PathLike, *, baseline: Baseline, runs: list[RunD
     ]
     if verdicts:
         parts += ["<h2>Verdict</h2>", _verdicts_section(verdicts, runs)]
+    numerics = _numerics_section(runs)
+    if numerics:
+        parts += ["<h2>Per-layer numerics</h2>", numerics]
     parts += ["<h2>Differences from the baseline</h2>", _diff_section(b, runs),
               "<h2>Acceptance criteria</h2>",
               _table(["criterion", "value"], [[esc(k), f"<code>{esc(json.dumps(v))}</code>"]

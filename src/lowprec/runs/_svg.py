@@ -193,3 +193,60 @@ def strip_chart(*, rows: Sequence[tuple[str, Sequence[float], str]], title: str,
                 out.append(f'<text x="{f.r - 4}" y="{y + 4:.1f}" text-anchor="end" fill="#c00">{esc(v)}</text>')
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _ramp(t: float) -> str:
+    """Color for ``t`` in [0, 1] on a dark-red (0, bad) -> yellow -> light-green (1, good) ramp."""
+    stops = [(0.0, (165, 0, 38)), (0.5, (254, 224, 139)), (1.0, (26, 152, 80))]
+    for (t0, c0), (t1, c1) in zip(stops, stops[1:], strict=False):
+        if t <= t1:
+            u = 0.0 if t1 == t0 else (t - t0) / (t1 - t0)
+            return "#" + "".join(f"{round(a + (b - a) * u):02x}" for a, b in zip(c0, c1, strict=True))
+    return "#%02x%02x%02x" % stops[-1][1]
+
+
+def heatmap(*, rows: Sequence[str], cols: Sequence[int], values: np.ndarray, title: str, value_label: str,
+            value_range: tuple[float, float], higher_is_better: bool, width: int = 760) -> str:
+    """A rows x cols grid of colored cells (``values[i, j]``; NaN: grey "not sampled", inf: the best color).
+
+    Colors run from red (worst) to green (best) over ``value_range``, clipped at its ends; each cell's tooltip
+    shows its row, column and exact value.  Used for per-layer statistics over training steps."""
+    vals = np.asarray(values, dtype=np.float64)
+    if vals.shape != (len(rows), len(cols)):
+        raise ValueError(f"heatmap values have shape {vals.shape}, expected {(len(rows), len(cols))}")
+    left, top, cell_h, legend_h = 230, 30, 16, 34
+    n_cols = max(len(cols), 1)
+    cell_w = max(2.0, (width - left - 10) / n_cols)
+    height = top + cell_h * len(rows) + legend_h + 20
+    lo, hi = value_range
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11" role="img">',
+           f'<title>{esc(title)}</title>',
+           f'<text x="{width / 2:.0f}" y="18" text-anchor="middle" font-weight="bold">{esc(title)}</text>']
+    for i, label in enumerate(rows):
+        y = top + i * cell_h
+        out.append(f'<text x="{left - 6}" y="{y + cell_h - 4}" text-anchor="end">{esc(label[:36])}</text>')
+        for j, step in enumerate(cols):
+            v = float(vals[i, j])
+            if math.isnan(v):
+                color, shown = "#dddddd", "not sampled"
+            else:
+                t = 1.0 if math.isinf(v) and (v > 0) == higher_is_better else 0.0 if math.isinf(v) else (
+                    min(max((v - lo) / (hi - lo or 1.0), 0.0), 1.0))
+                color, shown = _ramp(t if higher_is_better else 1.0 - t), _fmt(v) if math.isfinite(v) else str(v)
+            out.append(f'<rect x="{left + j * cell_w:.1f}" y="{y}" width="{cell_w + 0.3:.1f}" height="{cell_h - 1}" '
+                       f'fill="{color}"><title>{esc(label)} step {esc(step)}: {esc(value_label)} '
+                       f'{esc(shown)}</title></rect>')
+    y_axis = top + cell_h * len(rows) + 12
+    for j in sorted({0, len(cols) // 2, len(cols) - 1} if cols else set()):
+        out.append(f'<text x="{left + (j + 0.5) * cell_w:.1f}" y="{y_axis}" text-anchor="middle">'
+                   f'step {esc(cols[j])}</text>')
+    y_leg = y_axis + 10
+    for k in range(50):  # the color scale
+        t = k / 49
+        out.append(f'<rect x="{left + k * 4}" y="{y_leg}" width="4" height="10" '
+                   f'fill="{_ramp(t if higher_is_better else 1.0 - t)}"/>')
+    out.append(f'<text x="{left - 6}" y="{y_leg + 9}" text-anchor="end">{esc(_fmt(lo))}</text>'
+               f'<text x="{left + 206}" y="{y_leg + 9}">{esc(_fmt(hi))} {esc(value_label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
