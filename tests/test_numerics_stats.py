@@ -281,3 +281,30 @@ def test_observer_validation() -> None:
     with StatsObserver(model) as obs:
         with pytest.raises(ValueError, match="step"):
             obs.step(-1)
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3_tensorwise", "mxfp4", "nvfp4", "fp8_e4m3_rowwise", None,
+                                  QuantSpec(elem="float8_e5m2", scaling="tensor", saturate=False, margin=-3),
+                                  QuantSpec(elem="bfloat16", scaling="none", rounding="stochastic")], ids=str)
+def test_fused_native_statistics_equal_the_tensor_operation_route(spec: QuantSpec | str | None) -> None:
+    """Oracle: the tensor-operation implementation (``quant._native.enabled(False)``); counts and extrema must be
+    identical, the double sums equal to 1e-12 (summation order differs), on inputs with zeros, subnormals, values
+    that underflow and overflow, and inf/NaN."""
+    from lowprec.quant import _native
+
+    if not _native.available():
+        pytest.skip("no C compiler here: the native kernels are not built")
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(48, 64, generator=g) * torch.exp2(torch.randint(-30, 12, (48, 64), generator=g).float())
+    x.view(-1)[:5] = torch.tensor([0.0, -0.0, 1e-41, 3e38, -3e38])
+    xs = [x, x.clone()]
+    xs[1].view(-1)[5:8] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    for t in xs:
+        fused = tensor_stats(t, spec)
+        with _native.enabled(False):
+            ref = tensor_stats(t, spec)
+        for k in fused:
+            if math.isnan(ref[k]):
+                assert math.isnan(fused[k]), k
+            else:
+                assert fused[k] == pytest.approx(ref[k], rel=1e-12, abs=0.0), (k, fused[k], ref[k])

@@ -39,9 +39,10 @@ import math
 import torch
 
 from ..formats import FormatSpec
-from ..quant import QuantSpec, _groups
+from ..quant import QuantSpec, _groups, _native
 from ..quant._elementwise import stochastic_args
 from ..quant._round import round_magnitude
+from ..quant._scale import uses_multiplier
 from ..quant._scaled import _fake, _prescaled, _scales
 
 STATS: tuple[str, ...] = (
@@ -67,6 +68,7 @@ def resolve_spec(spec: QuantSpec | str | None) -> QuantSpec | None:
     raise ValueError(f"spec must be a QuantSpec, a spec name or None; got {type(spec).__name__}")
 
 
+@functools.lru_cache(maxsize=256)
 def spec_name(spec: QuantSpec | None) -> str:
     """A short name: the built-in name where ``spec`` is one, "float32" for None, else ``<elem>/<scaling>``."""
     if spec is None:
@@ -147,6 +149,51 @@ def _quantized_parts(xf: torch.Tensor, spec: QuantSpec, finite: torch.Tensor,
     return [under.sum().double(), over.sum().double(), *norms, *scale]
 
 
+def _native_parts(xf: torch.Tensor, spec: QuantSpec | None) -> list[float]:
+    """``tensor_stats``' values in the order of ``_quantized_parts`` (after the four plain ones), with the
+    elementwise counts and sums fused into one C pass (``quant._native.stats``): the quantizer's own passes
+    (scales, fake quantization, the scaled values) and then one read of x, v and q instead of about fifteen
+    tensor operations.  The sums are accumulated in double in element order (torch's vector_norm sums in its own
+    order, so the SQNR may differ in the last bits of a double; the counts are exact either way)."""
+    if spec is None:
+        return _native.stats(xf, None, None)[:4]
+    _groups.check_layout(xf.shape, spec)
+    keys, off = stochastic_args(spec.rounding, 0 if spec.rounding == "stochastic" else None, 0, xf.numel(),
+                                xf.device)
+    s, s_t = _scales(xf, spec)
+    q = _fake(xf, s, s_t, keys, off, spec).contiguous()
+    bounds = _overflow_bounds(spec.format, spec.rounding)
+    one_scale = spec.scaling in ("none", "tensor") and s_t is None
+    if one_scale:  # v = x * m, x / s or x: computed inside the C pass with the quantizer's float32 operation
+        sv = float(s.reshape(()).item())
+        if spec.scaling == "none":
+            vals = _native.stats(xf, q, bounds)
+        elif uses_multiplier(spec):
+            vals = _native.stats(xf, q, bounds, mul=sv)
+        else:
+            vals = _native.stats(xf, q, bounds, div=sv)
+    else:
+        v, eff = _prescaled(xf, s, s_t, spec)
+        vals = _native.stats(xf, q, bounds, v=_groups.ungroup(v, spec, xf.shape).contiguous())
+    sq = [vals[6] ** 0.5, vals[7] ** 0.5]
+    if spec.scaling == "none":
+        scale = [0.0, 0.0, 0.0, 1.0]
+    elif one_scale:  # the one group is valid when the whole tensor's amax is nonzero and finite
+        eff_v = 1.0 / _f32_value(sv) if uses_multiplier(spec) else sv
+        eff_v = _f32_value(eff_v)
+        ok = vals[3] == 0 and vals[0] > 0 and 0.0 < eff_v < math.inf
+        lg = math.log2(eff_v) if ok else 0.0
+        scale = [lg, lg, lg, 1.0] if ok else [math.inf, 0.0, -math.inf, 0.0]
+    else:
+        scale = [float(t) for t in torch.stack(_scale_sums(xf, spec, s, eff)).tolist()]
+    return vals[:4] + [vals[4], vals[5], *sq, *scale]
+
+
+def _f32_value(v: float) -> float:
+    """``v`` rounded to float32 (as a tensor operation producing a float32 scalar would)."""
+    return float(torch.tensor(v, dtype=torch.float32).item()) if math.isfinite(v) else v
+
+
 def tensor_stats(x: torch.Tensor, spec: QuantSpec | str | None) -> dict[str, float]:
     """Statistics of ``x`` (any shape; float32, bfloat16 or float16) quantized with ``spec`` (None: float32 only).
 
@@ -158,7 +205,8 @@ def tensor_stats(x: torch.Tensor, spec: QuantSpec | str | None) -> dict[str, flo
     * ``overflow_pct``: % of nonzero finite elements whose scaled value rounds past the element format's max
       (they saturate to +-max, or become inf/NaN) or that quantize to inf/NaN;
     * ``nonfinite_pct``: % of all elements of ``x`` that are inf or NaN;
-    * ``sqnr_db``: SQNR of ``fake_quantize(x, spec)`` against ``x`` (inf when equal; NaN when ``x`` has NaN);
+    * ``sqnr_db``: SQNR of ``fake_quantize(x, spec)`` against ``x`` (inf when equal; -inf when finite values
+      quantize to inf; NaN when ``x`` has NaN or inf);
     * ``scale_log2_min/mean/max``: log2 of the dequantization scale over groups with a nonzero finite amax (for
       tensor scaling the one scale; for float32 scales ``1/m``; with a two-level spec the effective scale); 0 for
       ``scaling="none"``, for spec None, and when every group is zero.
@@ -173,14 +221,17 @@ def tensor_stats(x: torch.Tensor, spec: QuantSpec | str | None) -> dict[str, flo
     out["sqnr_db"] = math.inf
     if xf.numel() == 0:
         return out
-    finite = torch.isfinite(xf)
-    nonzero = xf != 0  # NaN counts as nonzero
-    ax = xf.abs()
-    parts = [torch.where(finite, ax, 0.0).amax(), torch.where(finite & nonzero, ax, math.inf).amin(),
-             nonzero.sum(), (~finite).sum()]
-    if spec is not None:
-        parts += _quantized_parts(xf, spec, finite, nonzero)
-    vals = torch.stack([p.double() for p in parts]).tolist()  # one device synchronisation
+    if _native.usable(xf):
+        vals = _native_parts(xf, spec)
+    else:
+        finite = torch.isfinite(xf)
+        nonzero = xf != 0  # NaN counts as nonzero
+        ax = xf.abs()
+        parts = [torch.where(finite, ax, 0.0).amax(), torch.where(finite & nonzero, ax, math.inf).amin(),
+                 nonzero.sum(), (~finite).sum()]
+        if spec is not None:
+            parts += _quantized_parts(xf, spec, finite, nonzero)
+        vals = torch.stack([p.double() for p in parts]).tolist()  # one device synchronisation
     amax, amin, n_nonzero, n_nonfinite = vals[:4]
     out["amax"] = amax
     out["dynamic_range_log2"] = math.log2(amax / amin) if amax > 0 else 0.0
@@ -190,10 +241,11 @@ def tensor_stats(x: torch.Tensor, spec: QuantSpec | str | None) -> dict[str, flo
     n_under, n_over, signal, noise, lg_min, lg_sum, lg_max, n_valid = vals[4:]
     out["underflow_pct"] = 100.0 * n_under / max(n_nonzero, 1.0)
     out["overflow_pct"] = 100.0 * n_over / max(n_nonzero, 1.0)
-    if math.isnan(noise):
+    if math.isnan(noise) or math.isnan(signal) or (math.isinf(noise) and math.isinf(signal)):
         out["sqnr_db"] = math.nan
-    elif noise > 0:
-        out["sqnr_db"] = 20.0 * math.log10(signal / noise)
+    elif noise > 0:  # an infinite error (finite values quantized to inf) or a zero signal: -inf dB
+        ratio = signal / noise
+        out["sqnr_db"] = 20.0 * math.log10(ratio) if ratio > 0 else -math.inf
     if n_valid > 0:
         out["scale_log2_min"], out["scale_log2_mean"], out["scale_log2_max"] = lg_min, lg_sum / n_valid, lg_max
     return out

@@ -6,6 +6,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
+#include <float.h>
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -45,4 +47,137 @@ void lp_round_nearest(const float *x, float *y, int64_t n, float mul, int scale_
         if (scale_out) r = r * post;
         y[i] = r;
     }
+}
+
+/* lp_stats' first loop over one chunk of at most 2^24 elements (32-bit counters, so it vectorizes). */
+static __attribute__((noinline)) void extrema_chunk(const uint32_t *xb, int64_t n, uint32_t *bmax_io, uint32_t *bmin_io,
+                                                    uint32_t *nonzero_out, uint32_t *nonfinite_out)
+{
+    uint32_t bmax = 0, bmin = 0x7f800000u, c_nonzero = 0, c_nonfinite = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t b = xb[i] & 0x7fffffffu;  /* the float's bits (read as integers: see -fno-strict-aliasing) */
+        c_nonzero += b != 0u;  /* NaN counts as nonzero */
+        c_nonfinite += b >= 0x7f800000u;
+        uint32_t bf = b < 0x7f800000u ? b : 0u;  /* finite magnitudes, else 0 */
+        uint32_t bn = b - 1u < 0x7f7fffffu ? b : 0x7f800000u;  /* finite nonzero (b in 1..0x7f7fffff), else inf */
+        bmax = bf > bmax ? bf : bmax;
+        bmin = bn < bmin ? bn : bmin;
+    }
+    *bmax_io = bmax > *bmax_io ? bmax : *bmax_io;
+    *bmin_io = bmin < *bmin_io ? bmin : *bmin_io;
+    *nonzero_out = c_nonzero;
+    *nonfinite_out = c_nonfinite;
+}
+
+/* lp_stats' quantized counts over one chunk of at most 2^24 elements, for one v_mode (a compile-time constant
+ * after inlining into count_quantized's switch: the loop has no branches and vectorizes). */
+static inline __attribute__((always_inline)) void count_chunk(
+    const float *x, const float *v, const float *q, int64_t n, const int v_mode, float v_scale, float pos_bound,
+    int pos_incl, float neg_bound, int neg_incl, uint32_t *under_out, uint32_t *over_out)
+{
+    uint32_t c_under = 0, c_over = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float xi = x[i], qi = q[i];
+        float vi = v_mode == 0 ? v[i] : v_mode == 1 ? xi * v_scale : v_mode == 2 ? xi / v_scale : xi;
+        float av = fabsf(vi);
+        uint32_t neg = vi < 0.0f;
+        float b = neg ? neg_bound : pos_bound;
+        uint32_t incl = neg ? (uint32_t)neg_incl : (uint32_t)pos_incl;
+        uint32_t past = (av > b) | (incl & (av == b));
+        uint32_t finite = fabsf(xi) <= FLT_MAX, nonzero = xi != 0.0f;
+        c_under += nonzero & (qi == 0.0f);
+        c_over += finite & nonzero & (past | !(fabsf(qi) <= FLT_MAX));
+    }
+    *under_out = c_under;
+    *over_out = c_over;
+}
+
+#define LP_COUNT_MODE(m) static __attribute__((noinline)) void count_mode_##m(const float *x, const float *v, \
+    const float *q, int64_t n, float s, float pb, int pi, float nb, int ni, uint32_t *u, uint32_t *o) \
+    { count_chunk(x, v, q, n, m, s, pb, pi, nb, ni, u, o); }
+LP_COUNT_MODE(0)
+LP_COUNT_MODE(1)
+LP_COUNT_MODE(2)
+LP_COUNT_MODE(3)
+#undef LP_COUNT_MODE
+
+/* Underflow count (returned) and overflow count (*n_over_out) of lp_stats, chunk by chunk. */
+static int64_t count_quantized(const float *x, const float *v, const float *q, int64_t n, int v_mode, float v_scale,
+                               float pos_bound, int pos_incl, float neg_bound, int neg_incl, int64_t *n_over_out)
+{
+    int64_t n_under = 0, n_over = 0;
+    for (int64_t start = 0; start < n; start += 1 << 24) {
+        int64_t len = n - start < (1 << 24) ? n - start : (1 << 24);
+        const float *vs = v ? v + start : v;
+        uint32_t u = 0, o = 0;
+        switch (v_mode) {
+        case 0: count_mode_0(x + start, vs, q + start, len, v_scale, pos_bound, pos_incl, neg_bound, neg_incl, &u, &o); break;
+        case 1: count_mode_1(x + start, vs, q + start, len, v_scale, pos_bound, pos_incl, neg_bound, neg_incl, &u, &o); break;
+        case 2: count_mode_2(x + start, vs, q + start, len, v_scale, pos_bound, pos_incl, neg_bound, neg_incl, &u, &o); break;
+        default: count_mode_3(x + start, vs, q + start, len, v_scale, pos_bound, pos_incl, neg_bound, neg_incl, &u, &o);
+        }
+        n_under += u;
+        n_over += o;
+    }
+    *n_over_out = n_over;
+    return n_under;
+}
+
+/* sum x^2 and sum (x - q)^2 in double, as eight interleaved partial sums added pairwise at the end (a fixed
+ * order, independent of the compiler). */
+static void sums_of_squares(const float *x, const float *q, int64_t n, double *tx, double *td)
+{
+    typedef float v4f __attribute__((vector_size(16)));
+    typedef double v4d __attribute__((vector_size(32)));
+    v4d xa = {0, 0, 0, 0}, xb = xa, da = xa, db = xa;  /* lanes: partial sums of elements i % 8 == 0..3, 4..7 */
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v4f x0, x1, q0, q1;
+        memcpy(&x0, x + i, 16); memcpy(&x1, x + i + 4, 16);
+        memcpy(&q0, q + i, 16); memcpy(&q1, q + i + 4, 16);
+        v4d a0 = __builtin_convertvector(x0, v4d), a1 = __builtin_convertvector(x1, v4d);
+        v4d e0 = a0 - __builtin_convertvector(q0, v4d), e1 = a1 - __builtin_convertvector(q1, v4d);
+        xa += a0 * a0; xb += a1 * a1; da += e0 * e0; db += e1 * e1;
+    }
+    for (; i < n; i++) {
+        double a = (double)x[i], d = a - (double)q[i];
+        xa[0] += a * a;
+        da[0] += d * d;
+    }
+    *tx = ((xa[0] + xa[1]) + (xa[2] + xa[3])) + ((xb[0] + xb[1]) + (xb[2] + xb[3]));
+    *td = ((da[0] + da[1]) + (da[2] + da[3])) + ((db[0] + db[1]) + (db[2] + db[3]));
+}
+
+/* Tensor statistics in one pass over x (the tensor), v (the scaled values the quantizer rounds, same layout) and
+ * q (the fake-quantized tensor), for numerics._tensor_stats.  out[0..7]:
+ *   amax over finite |x|, min over finite nonzero |x| (inf if none), count of nonzero x (NaN counts),
+ *   count of non-finite x, underflow count (x != 0 and q == 0), overflow count (x finite and nonzero, and v
+ *   past the bound for its sign or q non-finite), sum x^2 and sum (x - q)^2 in double.
+ * q == NULL skips the quantized part (out[4..7] = 0).  The bounds: |v| > bound, or >= when *_incl.  v_mode says
+ * where v comes from: the array v (0), or computed here from x as the quantizer does for one tensor-wide scale:
+ * x * v_scale (1, float32 multipliers), x / v_scale (2, other scales), x itself (3, no scaling). */
+void lp_stats(const float *x, const float *v, const float *q, int64_t n, float pos_bound, int pos_incl,
+              float neg_bound, int neg_incl, int v_mode, float v_scale, double *out)
+{
+    /* Three branch-free loops that vectorize: extrema and counts of x, the quantized counts, the double sums of
+     * squares (eight interleaved partial sums in a fixed order, so the result does not depend on the compiler). */
+    /* extrema on the bits of |x|: for non-negative floats the unsigned order is the value order, and inf/NaN
+     * are exactly the patterns >= 0x7f800000 (so every test below is integer arithmetic, which vectorizes) */
+    uint32_t bmax = 0, bmin = 0x7f800000u;
+    int64_t n_nonzero = 0, n_nonfinite = 0, n_under = 0, n_over = 0;
+    for (int64_t start = 0; start < n; start += 1 << 24) {  /* 32-bit counters per chunk (they vectorize) */
+        uint32_t c_nonzero = 0, c_nonfinite = 0;
+        extrema_chunk((const uint32_t *)(const void *)(x + start), n - start < (1 << 24) ? n - start : (1 << 24), &bmax, &bmin, &c_nonzero,
+                      &c_nonfinite);
+        n_nonzero += c_nonzero;
+        n_nonfinite += c_nonfinite;
+    }
+    float amax = u2f(bmax), amin = u2f(bmin);
+    double tx = 0.0, td = 0.0;
+    if (q) {
+        n_under = count_quantized(x, v, q, n, v_mode, v_scale, pos_bound, pos_incl, neg_bound, neg_incl, &n_over);
+        sums_of_squares(x, q, n, &tx, &td);
+    }
+    out[0] = amax; out[1] = amin; out[2] = (double)n_nonzero; out[3] = (double)n_nonfinite;
+    out[4] = (double)n_under; out[5] = (double)n_over; out[6] = tx; out[7] = td;
 }

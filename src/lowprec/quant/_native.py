@@ -5,7 +5,8 @@ microseconds of dispatch; for the mid-size tensors of training (10^4 to 10^6 ele
 quantizer's time.  ``_native.c`` does the same float32 operations, in the same order, in one loop per element
 (``lp_round_nearest``), and the tensorwise amax with the finiteness check in another (``lp_absmax``): the same
 bits in two passes.  It is compiled with ``-ffp-contract=off`` (no fused multiply-add, which would round once
-where the tensor operations round twice) and without ``-ffast-math``; the tests compare it bit for bit with the
+where the tensor operations round twice), without ``-ffast-math`` and with ``-fno-strict-aliasing`` (float
+data is also read through its bit patterns); the tests compare it bit for bit with the
 integer kernel on whole binades of every float format.
 
 Set-up: the shared library is built once per source version and machine type into ``$LOWPREC_CACHE_DIR/native``
@@ -32,7 +33,8 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("_native.c")
-_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off", "-fno-fast-math",
+          "-fno-strict-aliasing")
 _state: dict[str, object] = {}
 
 
@@ -83,6 +85,8 @@ def _build() -> ctypes.CDLL | None:
     lib.lp_absmax.restype = i32
     lib.lp_round_nearest.argtypes = [ptr, ptr, i64, f32, i32, f32, i32, f32, f32, i32, f32, i32]
     lib.lp_round_nearest.restype = None
+    lib.lp_stats.argtypes = [ptr, ptr, ptr, i64, f32, i32, f32, i32, i32, f32, ptr]
+    lib.lp_stats.restype = None
     return lib
 
 
@@ -143,3 +147,19 @@ def round_nearest(x: torch.Tensor, *, k: float, cmin: float, mul: float | None =
                          1.0 if post is None else post, post is not None, k, cmin, clamp is not None,
                          0.0 if clamp is None else clamp, signed_zero)
     return y
+
+
+def stats(x: torch.Tensor, q: torch.Tensor | None, bounds: tuple[tuple[float, bool], tuple[float, bool]] | None,
+          *, v: torch.Tensor | None = None, mul: float | None = None, div: float | None = None) -> list[float]:
+    """One pass of ``lp_stats`` (``_native.c``) over ``usable`` tensors of one shape: ``[amax, min nonzero, nonzero
+    count, non-finite count, underflow count, overflow count, sum x^2, sum (x - q)^2]`` (the last four 0 when ``q``
+    is None).  The scaled values ``v`` whose overflow is counted: the tensor ``v``, else ``x * mul``, ``x / div`` or
+    ``x``.  ``bounds``: ``((bound, inclusive) for v >= 0, (bound, inclusive) for v < 0)``."""
+    lib = _lib()
+    assert lib is not None
+    out = (ctypes.c_double * 8)()
+    (pb, pi), (nb, ni) = bounds if bounds is not None else ((0.0, False), (0.0, False))
+    mode, scale = (0, 1.0) if v is not None else (1, mul) if mul is not None else (2, div) if div is not None else (3, 1.0)
+    lib.lp_stats(x.data_ptr(), None if v is None else v.data_ptr(), None if q is None else q.data_ptr(), x.numel(),
+                 pb, pi, nb, ni, mode, scale, out)
+    return list(out)
