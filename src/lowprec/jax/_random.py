@@ -39,3 +39,18 @@ def random_bits(keys: jnp.ndarray, offset: jnp.ndarray, shape: tuple[int, ...]) 
 def key_array(seed: int) -> jnp.ndarray:
     """``seed_keys(seed)`` as a uint32 array ``[k1, k2]``."""
     return jnp.array(seed_keys(seed), dtype=jnp.uint32)
+
+
+_SALT = 0x632BE5AB
+
+
+def derive_keys(keys: jnp.ndarray, step: jnp.ndarray) -> jnp.ndarray:
+    """Keys of step ``step`` of a stream, ``lowprec.quant._random.derive_keys`` in uint32 (traceable, so a jitted
+    training step does not recompile per step): ``k1' = h(k1 ^ h(s_lo ^ SALT) ^ h(s_hi))``, ``k2' = h(k2 ^ k1')``.
+
+    ``keys``: uint32 ``[k1, k2]``; ``step``: an integer scalar below 2^32 (so ``s_hi = 0``).
+    """
+    lo = jnp.asarray(step).astype(jnp.uint32)
+    k1 = hash32(keys[0] ^ hash32(lo ^ jnp.uint32(_SALT)) ^ hash32(jnp.uint32(0)))
+    k2 = hash32(keys[1] ^ k1)
+    return jnp.stack([k1, k2])

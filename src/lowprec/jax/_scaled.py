@@ -39,10 +39,17 @@ def _amax(g: jnp.ndarray, dims: tuple[int, ...]) -> jnp.ndarray:
     return jnp.max(a, axis=dims, keepdims=True) if dims else a
 
 
-def _scales(xf: jnp.ndarray, spec: QuantSpec) -> tuple[jnp.ndarray, jnp.ndarray | None]:
-    """Grouped scales (bits, broadcastable against the grouped view) and the tensor scale (bits) or None."""
+def _scales(
+    xf: jnp.ndarray, spec: QuantSpec, amax: jnp.ndarray | None = None
+) -> tuple[jnp.ndarray, jnp.ndarray | None]:
+    """Grouped scales (bits, broadcastable against the grouped view) and the tensor scale (bits) or None.
+
+    ``amax`` (bits of a non-negative float32 scalar; tensor scaling only) replaces the tensor's own amax: delayed
+    scaling, as ``lowprec.quant._scaled.fake_quantize_tensors(amax=...)``."""
     if spec.scaling == "none":
         return jnp.int32(const_bits(1.0)), None
+    if amax is not None:
+        return group_scale(jnp.reshape(amax, [1] * xf.ndim), spec, None), None
     g = _groups.group(xf, spec)
     amax = _amax(g, _groups.reduce_dims(spec, g.ndim))
     s_t = None
@@ -51,9 +58,9 @@ def _scales(xf: jnp.ndarray, spec: QuantSpec) -> tuple[jnp.ndarray, jnp.ndarray 
     return group_scale(amax, spec, s_t), s_t
 
 
-def _core(xf: jnp.ndarray, keys, off, spec: QuantSpec):
+def _core(xf: jnp.ndarray, keys, off, spec: QuantSpec, amax: jnp.ndarray | None = None):
     """Grouped element values on the element grid (float32), the effective scale (float32) and raw scales."""
-    s, s_t = _scales(xf, spec)
+    s, s_t = _scales(xf, spec, amax)
     rbits = None
     if keys is not None:
         rbits = _groups.group(_random.random_bits(keys, off, xf.shape), spec)
@@ -83,6 +90,24 @@ def _scaled_kernel(x: jax.Array, keys, off, *, spec: QuantSpec):
     if s_t is not None:
         return codes, TwoLevelScales(scales, f32(s_t).reshape(()))
     return codes, scales
+
+
+def fake_quantize_traced(
+    x: jax.Array, spec: QuantSpec, *, keys: jax.Array | None = None, amax: jax.Array | None = None
+) -> jax.Array:
+    """``fake_quantize`` for training code, ``lowprec.quant._scaled.fake_quantize_tensors`` in JAX: float32 ``x``,
+    random ``keys`` (uint32 ``[k1, k2]``, offset 0; stochastic specs only) and an optional ``amax`` (int32 bits of
+    the float32 amax, tensor scaling only) that replaces the tensor's own (delayed scaling).  Traceable; no checks
+    beyond those."""
+    if spec.rounding != "stochastic":
+        keys = None
+    elif keys is None:
+        raise ValueError("a stochastic-rounding spec needs random keys")
+    if amax is not None and spec.scaling != "tensor":
+        raise ValueError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
+    off = None if keys is None else jnp.uint32(0)
+    q, eff, _, _ = _core(x, keys, off, spec, amax)
+    return _groups.ungroup(mul_fast(q, eff), spec, x.shape)
 
 
 def _resolve(spec: object) -> QuantSpec:
