@@ -14,6 +14,7 @@ shape (the same codes as PyTorch's packed ``uint8``, unpacked), float8 formats a
 from __future__ import annotations
 
 from functools import partial
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from ._quantize import check_array, stochastic_args
 from ._round import quantize_f32
 from ._scale import group_scale, tensor_scale_from_amax
 
-Scales = jax.Array | TwoLevelScales
+Scales: TypeAlias = jax.Array | TwoLevelScales
 
 
 def _amax(g: jnp.ndarray, dims: tuple[int, ...]) -> jnp.ndarray:
@@ -119,10 +120,10 @@ def _resolve(spec: object) -> QuantSpec:
 
 
 def _check(x: object, spec: object) -> tuple[jax.Array, QuantSpec]:
-    x = check_array(x)
-    spec = _resolve(spec)
-    _groups.check_layout(x.shape, spec)
-    return x, spec
+    arr = check_array(x)
+    qspec = _resolve(spec)
+    _groups.check_layout(arr.shape, qspec)
+    return arr, qspec
 
 
 def fake_quantize(x: jax.Array, spec: QuantSpec | str, *, seed: int | None = None, offset: int = 0) -> jax.Array:

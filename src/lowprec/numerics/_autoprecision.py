@@ -159,7 +159,8 @@ def solve_budget(values: Sequence[Sequence[float]], costs: Sequence[Sequence[int
 
 
 def _greedy(values: Sequence[Sequence[float]], costs: Sequence[Sequence[int]], capacity: int) -> list[int]:
-    choice = [min(range(len(c)), key=lambda j, c=c, v=v: (c[j], v[j])) for v, c in zip(values, costs, strict=True)]
+    choice = [min(range(len(c)), key=lambda j, c=c, v=v: (c[j], v[j]))  # type: ignore[misc]
+              for v, c in zip(values, costs, strict=True)]
     spent = sum(c[j] for c, j in zip(costs, choice, strict=True))
     while True:
         best: tuple[float, int, int] | None = None
