@@ -69,7 +69,7 @@ def test_resolve_fills_only_missing_fields() -> None:
         ("model = 'm'\nseeds = [1, 1]\n", ["seeds must be distinct"]),
         ("model = 'm'\nseed = 1\nseeds = [2]\n", ["either seed or seeds"]),
         ("model = 'm'\nrecipe = 'fp9'\n", ["fp9", "fp8-tensorwise"]),
-        ("model = 'm'\nframework = 'jax'\n", ["framework must be one of 'torch'", "'jax'"]),
+        ("model = 'm'\nframework = 'flax'\n", ["framework must be one of 'torch', 'jax'", "'flax'"]),
         ("model = 'm'\n[optimizer]\nname = 'lion'\n", ["optimizer.name must be one of 'adamw', 'sgd'", "lion"]),
         ("model = 'm'\n[optimizer]\nlr = -1.0\n", ["optimizer.lr must be a finite number > 0.0", "-1.0"]),
         ("model = 'm'\n[optimizer]\nlr = nan\n", ["optimizer.lr"]),

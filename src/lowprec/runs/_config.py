@@ -42,7 +42,7 @@ OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine", "linear")
 STRATEGIES = ("single", "ddp", "fsdp2", "hsdp")
 BACKENDS = ("auto", "gloo", "nccl")
-FRAMEWORKS = ("torch",)
+FRAMEWORKS = ("torch", "jax")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,6 +205,8 @@ class RunConfig:
     group: str | None = None
     """Group label in the run store (a comparison selects runs by group); default: the name."""
     framework: str = "torch"
+    """"torch" (the default) or "jax" (``lowprec.jax``: the same task, batches, initial weights, recipe and
+    optimizer, trained by ``lowprec.runs._jax_runner``; single process, mlp-digits, no checkpoints/resume)."""
     seeds: tuple[int, ...] = (0,)
     """One run per seed.  ``seed = 3`` in TOML is ``seeds = [3]``."""
     steps: int | None = None
@@ -231,6 +233,10 @@ class RunConfig:
             if v is not None and (not isinstance(v, str) or not v.strip()):
                 raise ValueError(f"{field} must be a non-empty string; got {v!r}")
         check_choice(self.framework, "framework", FRAMEWORKS)
+        if self.framework == "jax" and self.parallel.strategy != "single":
+            raise ValueError(f"framework = \"jax\" trains in one process; got parallel.strategy "
+                             f"{self.parallel.strategy!r}: set parallel.strategy = \"single\" (data-parallel JAX "
+                             "is lowprec.jax.data_parallel, see docs/jax.md)")
         if not isinstance(self.seeds, tuple) or not self.seeds:
             raise ValueError(f"seeds must be a non-empty list of integers; got {self.seeds!r}")
         for i, s in enumerate(self.seeds):

@@ -359,6 +359,10 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
 
     Under torchrun pass the ``world`` from ``init_world``: rank 0 records, every rank trains its batch shard.
     ``run_id`` names the run to create, or to continue when it already exists (elastic restarts)."""
+    if config.framework == "jax":
+        from ._jax_runner import jax_train
+
+        return jax_train(config, seed=seed, store=store, resume=resume, progress=progress, run_id=run_id)
     world = world or World()
     if config.threads:
         torch.set_num_threads(config.threads)
