@@ -14,19 +14,31 @@ from ._dense import init_state as init_state
 from ._dense import linear as linear
 from ._optax import LowPrecisionOptimizer as LowPrecisionOptimizer
 from ._optax import LowPrecisionState as LowPrecisionState
+from ._parallel import CommState as CommState
+from ._parallel import comm_keys as comm_keys
+from ._parallel import comm_spec as comm_spec
+from ._parallel import compressed_mean as compressed_mean
+from ._parallel import data_parallel as data_parallel
+from ._parallel import init_comm_state as init_comm_state
 from ._quantize import quantize as quantize
 from ._scaled import dequantize as dequantize
 from ._scaled import fake_quantize as fake_quantize
 from ._scaled import quantize_scaled as quantize_scaled
 
 __all__ = [
+    "CommState",
     "LowPrecisionOptimizer",
     "LowPrecisionState",
     "QuantSpec",
     "TwoLevelScales",
+    "comm_keys",
+    "comm_spec",
+    "compressed_mean",
+    "data_parallel",
     "dequantize",
     "dot_general",
     "fake_quantize",
+    "init_comm_state",
     "init_state",
     "linear",
     "quantize",
