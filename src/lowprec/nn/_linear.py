@@ -22,6 +22,7 @@ step)`` with the step counter in the buffer ``lp_step``.  Those buffers exist on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -228,6 +229,12 @@ class EmulatedLinear(nn.Linear):
     """``nn.Linear`` with recipe-emulated GEMMs.  Build with ``from_linear`` (or ``lowprec.convert``)."""
 
     recipe: LinearRecipe
+    amax_reduce: Callable[[torch.Tensor], object] | None = None
+    """Data-parallel training sets this to an in-place MAX all-reduce (``runs._parallel.wrap_model``).  It is
+    applied to a delayed-scaling role's current amax on the first training step of that role only (while the
+    history is still empty and the scale comes from the current amax): every rank then scales with the amax of
+    the whole global batch, as one process would.  Later steps scale from the history, which the data-parallel
+    wrapper MAX-reduces after every backward, so no collective is needed in the forward or backward pass."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: LinearRecipe,
                  seed: int = 0, name: str = "", device: Any = None, dtype: Any = None) -> None:
@@ -240,6 +247,7 @@ class EmulatedLinear(nn.Linear):
         self.lowprec_name = name
         ops = _operands(recipe)
         self._delayed: dict[str, int] = {}
+        self._amax_started: set[str] = set()  # roles whose history has had a training step recorded
         self._algorithm: dict[str, str] = {}
         for (g, o), op in ops.items():
             if op.scaling.kind == "delayed":
@@ -303,10 +311,13 @@ class EmulatedLinear(nn.Linear):
             hist: torch.Tensor = getattr(self, f"amax_history_{role}")
             with torch.no_grad():
                 current = t.abs().amax() if t.numel() else t.new_zeros(())
+                if self.training and self.amax_reduce is not None and role not in self._amax_started:
+                    self.amax_reduce(current)  # first step: the global batch's amax (class docstring)
                 past = hist.amax() if self._algorithm[role] == "max" else hist[0]
                 out[role] = torch.where(past > 0, past, current)
                 if self.training:
                     hist.copy_(torch.cat([current.reshape(1), hist[:-1]]))
+                    self._amax_started.add(role)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,14 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
         return Wrapped(model)
     from ..distributed import allgather_bytes, compress_hook, shard_model, sync_amax_histories
     from ..distributed._compress import ring_allreduce_bytes
+    from ..nn import EmulatedLinear
+
+    def amax_max(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+    for m in model.modules():  # first-step delayed scales from the global batch (EmulatedLinear.amax_reduce)
+        if isinstance(m, EmulatedLinear) and m._delayed:
+            m.amax_reduce = amax_max
 
     def sync() -> None:
         sync_amax_histories(unwrap(wrapped))
