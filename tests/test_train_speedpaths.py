@@ -299,3 +299,24 @@ def test_skipped_input_gradient_keeps_weight_gradient(recipe: str) -> None:
     b(x.clone().requires_grad_(True)).square().sum().backward()
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert_bitwise_equal(pa.grad, pb.grad, context=f"{recipe} {name}")  # type: ignore[arg-type]
+
+
+def test_compiled_region_calls_the_fused_kernel_with_eager_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside torch.compile, tensorwise fake quantization runs as the opaque custom op
+    ``lowprec::fake_quantize_tensorwise`` (the fused C loop is called at run time) and gives the eager bits
+    (oracle: the same call outside torch.compile), with the tensor's own amax and with a delayed amax."""
+    if not _native.available():
+        pytest.skip("no C compiler here: the native kernels are not built")
+    calls: list[int] = []
+    real = _native.round_nearest
+    monkeypatch.setattr(_native, "round_nearest", lambda x, **kw: calls.append(x.numel()) or real(x, **kw))
+    spec = QuantSpec.named("fp8_e4m3_tensorwise")
+    x = _varied((32, 48), 9, False)
+    amax = torch.tensor(3.0)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda t, a: (fake_quantize_tensors(t, spec), fake_quantize_tensors(t, spec, amax=a)),
+                       fullgraph=True)
+    got = fn(x, amax)
+    assert len(calls) == 2
+    assert_bitwise_equal(got[0], fake_quantize_tensors(x, spec), context="own amax")
+    assert_bitwise_equal(got[1], fake_quantize_tensors(x, spec, amax=amax), context="delayed amax")

@@ -28,7 +28,7 @@ from typing import NamedTuple, TypeAlias
 
 import torch
 
-from . import _backend, _codec, _groups, _native, _random
+from . import _backend, _codec, _groups, _native, _native_op, _random
 from ._elementwise import (
     check_tensor,
     clamp_for,
@@ -333,6 +333,8 @@ def fake_quantize_tensors(
         raise ValueError("fake_quantize_tensors: stochastic rounding needs keys and offset tensors")
     if amax is not None and spec.scaling != "tensor":
         raise ValueError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
+    if torch.compiler.is_compiling() and _native_op.applies(x, spec):  # the fused C loop as an opaque op
+        return _native_op.call(x, spec, amax)
     if _tensorwise_fast_ok(x, spec):
         y = _tensorwise_fast(x, spec, amax)
         if y is not None:
