@@ -7,9 +7,21 @@
 3. Judge: an fp32 baseline over ``--seeds`` seeds (``run_baseline``), every arm over the same seeds, one verdict
    per arm (``judge_groups``), and the final eval metrics per seed.
 
-Prints JSON.  ``--store`` keeps the runs (default: a fresh temporary directory).
+Prints JSON (``--out PATH`` also writes it after every arm, so an interrupted run keeps what it finished).
+``--store`` keeps the runs (default: a fresh temporary directory).
 
     PYTHONPATH=src python benchmarks/autoprecision_demo.py --task mlp-digits --seeds 5
+
+Equal-bits comparisons: ``--candidates`` fixes the auto arms' candidate set for every budget (default: the
+legacy rule, nvfp4 added below 5 bits), ``--uniform`` names the uniform arms, ``--no-fp32-head`` drops the
+mxfp4-with-float32-head arm, and a budget equal to a uniform format's bits (6.25 = mxfp6) puts the two arms at
+equal storage.  For example (docs/precision.md, gpt-bytes section):
+
+    PYTHONPATH=src python benchmarks/autoprecision_demo.py --task gpt-bytes --model-option layers=3 \\
+        --steps 100 --seeds 3 --candidates mxfp4 mxfp6_e2m3 mxfp8_e4m3 --budgets 4.5 --uniform nvfp4 mxfp4 \\
+        --no-fp32-head
+
+(``--uniform`` with no names: no uniform arms.)
 """
 
 from __future__ import annotations
@@ -41,14 +53,31 @@ CANDIDATES = ["mxfp4", "mxfp6_e2m3", "mxfp8_e4m3", "bfloat16"]
 WITH_NVFP4 = ["mxfp4", "nvfp4", "mxfp6_e2m3", "mxfp8_e4m3", "bfloat16"]
 
 
-def _plans(table: list[Any], budgets: list[float]) -> dict[str, PrecisionPlan]:
-    """The arms: a chosen mix per budget (nvfp4 joins the candidates below 5 bits) and the uniform formats."""
-    plans = {f"auto-{b:g}": choose_precision(table, budget_bits=b, candidates=WITH_NVFP4 if b < 5 else CANDIDATES)
-             for b in budgets}
-    for spec in ("mxfp4", "nvfp4", "mxfp6_e2m3"):
+def _plans(table: list[Any], budgets: list[float], candidates: list[str] | None, uniform: list[str],
+           fp32_head: bool) -> dict[str, PrecisionPlan]:
+    """The arms: a chosen mix per budget (``candidates``, or by default nvfp4 joins the candidates below 5 bits),
+    the uniform formats, and optionally mxfp4 with float32 heads."""
+    plans = {f"auto-{b:g}": choose_precision(
+        table, budget_bits=b, candidates=candidates or (WITH_NVFP4 if b < 5 else CANDIDATES)) for b in budgets}
+    for spec in uniform:
         plans[f"uniform-{spec}"] = uniform_plan(table, spec)
-    plans["mxfp4+fp32-head"] = _heads_in_float32(uniform_plan(table, "mxfp4"), table)
+    if fp32_head:
+        plans["mxfp4+fp32-head"] = _heads_in_float32(uniform_plan(table, "mxfp4"), table)
     return plans
+
+
+def _labels(specs: list[str]) -> list[str]:
+    return [resolve_candidate(s)[0] for s in specs]
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--model-option takes KEY=VALUE; got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def _heads_in_float32(plan: PrecisionPlan, table: list[Any]) -> PrecisionPlan:
@@ -96,34 +125,66 @@ def main() -> int:
     ap.add_argument("--budgets", type=float, nargs="+", default=[4.6, 5.0, 6.0])
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--steps", type=int, help="training steps (default: the task's)")
+    ap.add_argument("--model-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                    help="task option (JSON value), e.g. d_model=64; repeatable")
+    ap.add_argument("--batch-size", type=int, help="training batch size (default: the task's)")
+    ap.add_argument("--candidates", nargs="+", metavar="SPEC",
+                    help="candidate specs of every auto arm (default: mxfp4 mxfp6_e2m3 mxfp8_e4m3 bf16, plus nvfp4 "
+                         "for budgets below 5)")
+    ap.add_argument("--uniform", nargs="*", default=["mxfp4", "nvfp4", "mxfp6_e2m3"], metavar="SPEC",
+                    help="uniform arms (default: mxfp4 nvfp4 mxfp6_e2m3)")
+    ap.add_argument("--no-fp32-head", dest="fp32_head", action="store_false",
+                    help="drop the arm 'mxfp4 with float32 heads'")
     ap.add_argument("--store", help="run store path (default: a temporary directory)")
+    ap.add_argument("--out", help="also write the JSON here, rewritten after every arm")
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    candidates = _labels(args.candidates) if args.candidates else None
+    uniform = _labels(args.uniform)
+    measured = list(dict.fromkeys([*(candidates or WITH_NVFP4), *uniform,
+                                   *(["mxfp4", "float32"] if args.fp32_head else [])]))
     store_path = args.store or str(Path(tempfile.mkdtemp(prefix="autoprecision-")) / "runs.db")
-    config = RunConfig(model=args.task, threads=1, store=store_path, steps=args.steps)
+    config = RunConfig(model=args.task, threads=1, store=store_path, steps=args.steps, batch_size=args.batch_size,
+                       model_options=dict(args.model_option))
     seeds = tuple(range(args.seeds))
+    out: dict[str, Any] = {
+        "task": args.task, "model_options": dict(args.model_option), "batch_size": args.batch_size,
+        "seeds": list(seeds), "calibration_seed": args.calib_seed, "eval_batches": args.batches,
+        "budgets": args.budgets, "candidates": candidates, "uniform": uniform, "store": store_path,
+        "torch": torch.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
+    }
+
+    def dump() -> None:
+        if args.out:
+            tmp = Path(args.out + ".tmp")
+            tmp.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+            tmp.replace(args.out)
+
     with RunStore(store_path) as store:
+        t0 = time.perf_counter()
         cal = calibrate(config, store=store, seed=args.calib_seed, progress=args.progress)
-        table = sensitivity_table(cal.model, eval_batches(cal, args.batches), cal.task.loss_fn,
-                                  [*WITH_NVFP4, "float32"])
+        table = sensitivity_table(cal.model, eval_batches(cal, args.batches), cal.task.loss_fn, measured)
+        plans = _plans(table, args.budgets, candidates, uniform, args.fp32_head)
+        out.update(calibration_run=cal.run_id, sensitivity=[{**r.to_dict(), "shapes": None} for r in table],
+                   planned={n: {"average_bits": p.average_bits, "assignment": dict(p.assignment),
+                                "predicted_sqnr_db": _finite(p.predicted_sqnr_db)} for n, p in plans.items()},
+                   calibration_seconds=round(time.perf_counter() - t0, 1))
+        dump()
+        t0 = time.perf_counter()
         baseline = run_baseline(config, name="fp32", store=store, seeds=seeds, progress=args.progress)
-        arms, runs = [], []
-        for name, plan in _plans(table, args.budgets).items():
+        out.update(steps=baseline.steps, baseline_seconds=round(time.perf_counter() - t0, 1),
+                   baseline_final={k: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)),
+                                       "per_seed": [float(x) for x in v]} for k, v in baseline.finals.items()},
+                   arms=[])
+        dump()
+        for name, plan in plans.items():
             arm, arm_runs = _arm(store, config, name, plan, table, seeds, args.progress)
-            arms.append(arm)
-            runs += arm_runs
-        for arm, verdict in zip(arms, judge_groups(baseline, runs), strict=True):
+            (verdict,) = judge_groups(baseline, arm_runs)
             arm["verdict"] = {"passed": verdict.passed,
                               "failed": {r.name: r.reason for r in verdict.results if not r.passed}}
-    out = {
-        "task": args.task, "seeds": list(seeds), "steps": baseline.steps, "calibration_seed": args.calib_seed,
-        "calibration_run": cal.run_id, "eval_batches": args.batches, "store": store_path,
-        "baseline_final": {k: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1))}
-                           for k, v in baseline.finals.items()},
-        "sensitivity": [{**r.to_dict(), "shapes": None} for r in table],
-        "arms": arms, "torch": torch.__version__, "python": platform.python_version(),
-    }
+            out["arms"].append(arm)
+            dump()
     json.dump(out, sys.stdout, indent=1)
     print()
     return 0
