@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from .. import formats
 from ..quant._random import stream_seed
 from ..recipes import Gemm, LinearRecipe, Operand
+from ..recipes._recipe import GEMMS, OPERAND_ROLE, shares_quantization
 from . import _random
 from ._accum import accumulate_matmul
 from ._bits import INF, bits, f32
@@ -46,26 +47,13 @@ from ._scaled import _amax, fake_quantize_traced
 State = dict[str, jax.Array]
 Keys = dict[str, jax.Array]
 
-GEMMS = ("forward", "grad_input", "grad_weight")
-# (gemm, operand) -> tensor role (the same table as lowprec.nn._linear)
-ROLE = {
-    ("forward", "a"): "input",
-    ("forward", "b"): "weight",
-    ("grad_input", "a"): "grad_output",
-    ("grad_input", "b"): "weight",
-    ("grad_weight", "a"): "grad_output",
-    ("grad_weight", "b"): "input",
-}
-
-
-def _operands(lin: LinearRecipe) -> dict[tuple[str, str], Operand]:
-    return {(g, o): getattr(getattr(lin, g), o) for g in GEMMS for o in "ab"}
+ROLE = OPERAND_ROLE  # (gemm, operand) -> tensor role, shared with lowprec.nn._linear
 
 
 def delayed_roles(lin: LinearRecipe) -> dict[str, tuple[int, str]]:
     """Per delayed-scaled tensor role: (history length, amax algorithm), as ``EmulatedLinear`` sets them up."""
     out: dict[str, tuple[int, str]] = {}
-    for (g, o), op in _operands(lin).items():
+    for (g, o), op in lin.operands().items():
         if op.scaling.kind != "delayed":
             continue
         role = ROLE[(g, o)]
@@ -87,13 +75,13 @@ def init_state(recipe: LinearRecipe) -> State:
 
 def is_stochastic(recipe: LinearRecipe) -> bool:
     """Whether some operand rounds stochastically (then ``linear`` needs ``step``)."""
-    return any(op.spec is not None and op.spec.rounding == "stochastic" for op in _operands(recipe).values())
+    return any(op.spec is not None and op.spec.rounding == "stochastic" for op in recipe.operands().values())
 
 
 def step_keys(recipe: LinearRecipe, step: jax.Array | int, *, seed: int, name: str) -> Keys | None:
     """Per stochastic operand ``"gemm.operand"``: uint32 ``[k1, k2]`` for ``step`` (traceable in ``step``)."""
     out: Keys = {}
-    for (g, o), op in _operands(recipe).items():
+    for (g, o), op in recipe.operands().items():
         if op.spec is not None and op.spec.rounding == "stochastic":
             base = _random.key_array(stream_seed(seed, name, g, o))
             out[f"{g}.{o}"] = _random.derive_keys(base, jnp.asarray(step))
@@ -138,18 +126,6 @@ def gemm(a: jax.Array, b: jax.Array, spec: Gemm, name: str, keys: Keys | None,
     """One emulated GEMM ``Q(a) @ Q(b)^T`` (reduction dim last in both): ``[M, K], [N, K] -> [M, N]``."""
     qa = quantize_operand(a, spec, name, "a", keys, amax)
     return product(qa, quantize_operand(b, spec, name, "b", keys, amax), spec)
-
-
-def shares_quantization(first: Operand, second: Operand) -> bool:
-    """True when ``Q_second(t^T) == Q_first(t)^T`` bit for bit for every ``t``, so one quantization serves two
-    GEMMs: neither quantized, or the same spec with one scale for the whole tensor (or none), no random bits, and
-    the same kind of amax.  The rule of ``lowprec.nn._linear.shares_quantization`` (max is exact and order-free;
-    the rest is elementwise); axis/block/tile scaling groups ``t`` and ``t^T`` differently."""
-    if first.spec is None or second.spec is None:
-        return first.spec is None and second.spec is None
-    spec = first.spec
-    return (spec == second.spec and spec.scaling in ("none", "tensor") and spec.rounding != "stochastic"
-            and first.scaling.kind == second.scaling.kind)
 
 
 def _forward(lin: LinearRecipe, x2: jax.Array, w: jax.Array, state: State, keys: Keys | None):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from ..quant._scale import uses_multiplier
 from ..quant._scaled import TwoLevelScales as TwoLevelScales
+from ..quant._scaled import _resolve  # the same validation and message as the PyTorch side
 from ..quant._spec import QuantSpec
 from . import _codec, _groups, _random
 from ._bits import ABS, bits, const_bits, div_mag, f32, mul_fast, mul_mag, div_fast
@@ -109,14 +110,6 @@ def fake_quantize_traced(
     off = None if keys is None else jnp.uint32(0)
     q, eff, _, _ = _core(x, keys, off, spec, amax)
     return _groups.ungroup(mul_fast(q, eff), spec, x.shape)
-
-
-def _resolve(spec: object) -> QuantSpec:
-    if isinstance(spec, str):
-        spec = QuantSpec.named(spec)
-    if not isinstance(spec, QuantSpec):
-        raise ValueError(f"spec must be a QuantSpec or a spec name; got {type(spec).__name__}")
-    return spec
 
 
 def _check(x: object, spec: object) -> tuple[jax.Array, QuantSpec]:

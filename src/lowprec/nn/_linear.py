@@ -33,22 +33,11 @@ from ..quant import _random
 from ..quant import quantize as _quantize
 from ..quant._scaled import fake_quantize_tensors
 from ..recipes import Gemm, LinearRecipe, Operand
+from ..recipes._recipe import OPERAND_ROLE, shares_quantization
 from ._accum import accumulate_matmul
 
 ROLES = ("input", "weight", "grad_output")
-# (gemm, operand) -> tensor role
-_ROLE = {
-    ("forward", "a"): "input",
-    ("forward", "b"): "weight",
-    ("grad_input", "a"): "grad_output",
-    ("grad_input", "b"): "weight",
-    ("grad_weight", "a"): "grad_output",
-    ("grad_weight", "b"): "input",
-}
-
-
-def _operands(lin: LinearRecipe) -> dict[tuple[str, str], Operand]:
-    return {(g, o): getattr(getattr(lin, g), o) for g in ("forward", "grad_input", "grad_weight") for o in "ab"}
+_ROLE = OPERAND_ROLE  # (gemm, operand) -> tensor role
 
 
 class _Ctx:
@@ -103,28 +92,6 @@ def gemm(
     """
     qa = quantize_operand(a, spec, name, "a", keys, amax)
     return product(qa, quantize_operand(b, spec, name, "b", keys, amax), spec)
-
-
-def shares_quantization(first: Operand, second: Operand) -> bool:
-    """True when ``Q_second(t^T) == Q_first(t)^T`` bit for bit for every tensor ``t``, so that one quantization of
-    ``t`` serves two GEMMs (the weight in forward and grad_input, the input in forward and grad_weight, the output
-    gradient in grad_input and grad_weight).
-
-    It holds when neither operand is quantized, or both use the same spec with one scale for the whole tensor (or
-    none), round without random bits and take their amax the same way (current, or the same role's delayed
-    history): the amax of ``t^T`` is that of ``t`` (max is exact and order-free) and the rest is elementwise.  It
-    does not hold for stochastic rounding (each GEMM draws its own bits) nor for axis, block or tile scaling, which
-    group ``t`` and ``t^T`` differently.
-    """
-    if first.spec is None or second.spec is None:
-        return first.spec is None and second.spec is None
-    spec = first.spec
-    return (
-        spec == second.spec
-        and spec.scaling in ("none", "tensor")
-        and spec.rounding != "stochastic"
-        and first.scaling.kind == second.scaling.kind
-    )
 
 
 def _is_plain(g: Gemm) -> bool:
@@ -245,7 +212,7 @@ class EmulatedLinear(nn.Linear):
         self.recipe = recipe
         self._plan_cache = (recipe, _plan_for(recipe))
         self.lowprec_name = name
-        ops = _operands(recipe)
+        ops = recipe.operands()
         self._delayed: dict[str, int] = {}
         self._amax_started: set[str] = set()  # roles whose history has had a training step recorded
         self._algorithm: dict[str, str] = {}

@@ -43,7 +43,7 @@ from ..quant import QuantSpec, _groups, _native
 from ..quant._elementwise import stochastic_args
 from ..quant._round import round_magnitude
 from ..quant._scale import uses_multiplier
-from ..quant._scaled import _fake, _prescaled, _scales
+from ..quant._scaled import _f32, _fake, _prescaled, _scales
 
 STATS: tuple[str, ...] = (
     "amax",
@@ -179,19 +179,13 @@ def _native_parts(xf: torch.Tensor, spec: QuantSpec | None) -> list[float]:
     if spec.scaling == "none":
         scale = [0.0, 0.0, 0.0, 1.0]
     elif one_scale:  # the one group is valid when the whole tensor's amax is nonzero and finite
-        eff_v = 1.0 / _f32_value(sv) if uses_multiplier(spec) else sv
-        eff_v = _f32_value(eff_v)
+        eff_v = _f32(1.0 / sv) if uses_multiplier(spec) else sv  # sv is already a float32 value
         ok = vals[3] == 0 and vals[0] > 0 and 0.0 < eff_v < math.inf
         lg = math.log2(eff_v) if ok else 0.0
         scale = [lg, lg, lg, 1.0] if ok else [math.inf, 0.0, -math.inf, 0.0]
     else:
         scale = [float(t) for t in torch.stack(_scale_sums(xf, spec, s, eff)).tolist()]
     return vals[:4] + [vals[4], vals[5], *sq, *scale]
-
-
-def _f32_value(v: float) -> float:
-    """``v`` rounded to float32 (as a tensor operation producing a float32 scalar would)."""
-    return float(torch.tensor(v, dtype=torch.float32).item()) if math.isfinite(v) else v
 
 
 def tensor_stats(x: torch.Tensor, spec: QuantSpec | str | None) -> dict[str, float]:

@@ -121,9 +121,9 @@ def round_nearest_fast(
     clamp = clamp_for(fmt, vmax, saturate)
     if clamp is False:
         return None
-    fmax, mb = fmt.max, fmt.mbits
+    fmax = fmt.max
     native = (_NATIVE_RNE_CUDA if v.is_cuda else _NATIVE_RNE).get(fmt.name)
-    big = min(vmax, fmax) >= 2.0 ** (126 - (24 - mb))  # C = 1.5 * 2^(E + 23 - M) and v + C must stay finite
+    big = not route_fits(fmt, min(vmax, fmax))
     if not big and _native.usable(v):  # the same operations fused in one C loop (_native.c)
         k, cmin = route_constants(fmt)
         return _native.round_nearest(v, k=k, cmin=cmin, clamp=clamp, signed_zero=fmt.has_negative_zero,
@@ -156,6 +156,12 @@ def clamp_for(fmt: FormatSpec, vmax: float, saturate: bool) -> float | None | bo
     if vmax <= fmt.max:
         return None
     return fmt.max if saturate or fmt.special == "finite" else False
+
+
+def route_fits(fmt: FormatSpec, vmax: float) -> bool:
+    """Whether the float route handles magnitudes up to ``vmax`` (after any clamp): ``C = 1.5 * 2^(E + 23 - M)``
+    and ``v + C`` must stay finite."""
+    return vmax < 2.0 ** (126 - (24 - fmt.mbits))
 
 
 def route_constants(fmt: FormatSpec) -> tuple[float, float]:

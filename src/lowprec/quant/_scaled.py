@@ -35,6 +35,7 @@ from ._elementwise import (
     fast_round_ok,
     round_nearest_fast,
     route_constants,
+    route_fits,
     stochastic_args,
 )
 from ._round import quantize_f32
@@ -193,7 +194,7 @@ def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None
     vmax = _f32(xmax * m)
     fmt = spec.format
     # one fused pass (x * m, round, times 1/m) where x * m stays finite and v + C cannot overflow (_native.c)
-    if native and math.isfinite(vmax) and min(vmax, fmt.max) < 2.0 ** (126 - (24 - fmt.mbits)):
+    if native and math.isfinite(vmax) and route_fits(fmt, min(vmax, fmt.max)):
         clamp = clamp_for(fmt, vmax, spec.saturate)
         if clamp is False:
             return None

@@ -128,6 +128,20 @@ class Gemm:
         _format_name(self.output_format, "Gemm.output_format")
 
 
+GEMMS: tuple[str, ...] = ("forward", "grad_input", "grad_weight")
+"""The GEMMs of a linear layer, in the order they run."""
+
+OPERAND_ROLE: dict[tuple[str, str], str] = {
+    ("forward", "a"): "input",
+    ("forward", "b"): "weight",
+    ("grad_input", "a"): "grad_output",
+    ("grad_input", "b"): "weight",
+    ("grad_weight", "a"): "grad_output",
+    ("grad_weight", "b"): "input",
+}
+"""(GEMM, operand "a" | "b") -> the tensor that operand is: each tensor feeds two GEMMs."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinearRecipe:
     """The three GEMMs of a linear layer (see the module docstring for operand order)."""
@@ -138,6 +152,32 @@ class LinearRecipe:
     """dL/dx = dY @ W: a = grad_output, b = weight (transposed so its reduction dim is last)."""
     grad_weight: Gemm = Gemm()
     """dL/dW = dY^T @ x: a = grad_output^T, b = input^T."""
+
+    def operands(self) -> dict[tuple[str, str], Operand]:
+        """Every operand by (GEMM, "a" | "b"), in ``GEMMS`` order (``OPERAND_ROLE`` names its tensor)."""
+        return {(g, o): getattr(getattr(self, g), o) for g in GEMMS for o in "ab"}
+
+
+def shares_quantization(first: Operand, second: Operand) -> bool:
+    """True when ``Q_second(t^T) == Q_first(t)^T`` bit for bit for every tensor ``t``, so that one quantization of
+    ``t`` serves two GEMMs (the weight in forward and grad_input, the input in forward and grad_weight, the output
+    gradient in grad_input and grad_weight).
+
+    It holds when neither operand is quantized, or both use the same spec with one scale for the whole tensor (or
+    none), round without random bits and take their amax the same way (current, or the same role's delayed
+    history): the amax of ``t^T`` is that of ``t`` (max is exact and order-free) and the rest is elementwise.  It
+    does not hold for stochastic rounding (each GEMM draws its own bits) nor for axis, block or tile scaling, which
+    group ``t`` and ``t^T`` differently.
+    """
+    if first.spec is None or second.spec is None:
+        return first.spec is None and second.spec is None
+    spec = first.spec
+    return (
+        spec == second.spec
+        and spec.scaling in ("none", "tensor")
+        and spec.rounding != "stochastic"
+        and first.scaling.kind == second.scaling.kind
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
