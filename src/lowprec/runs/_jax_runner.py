@@ -29,7 +29,6 @@ automatic fallback and tensor statistics (refused).  Data-parallel JAX training 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import importlib.metadata
@@ -45,74 +44,15 @@ import torch
 from torch import nn
 
 from .. import jax as lj
-from ..nn import EmulatedLinear, convert
-from ..recipes import LinearRecipe, Recipe
+from ..recipes import Recipe
+from ._checkpoint import checkpoint_dir, latest_valid, list_checkpoints, save_checkpoint
 from ._config import OptimizerConfig, RunConfig
+from ._jax_models import Plan, cross_entropy, forward, initial_params, initial_states, model_plan
 from ._manifest import build_manifest
 from ._progress import Progress
 from ._runner import build_task
 from ._store import RunStore
 from .zoo import Task
-from .zoo._digits import MLP
-
-_ACTIVATIONS = {"ReLU": jax.nn.relu, "GELU": functools.partial(jax.nn.gelu, approximate=False)}
-
-
-@dataclasses.dataclass(frozen=True)
-class MLPPlan:
-    """The JAX form of a converted ``mlp-digits`` model: its layers in forward order and the activation."""
-
-    names: tuple[str, ...]
-    """Qualified module names (``layers.0``, ..., ``head``): the random streams' names."""
-    recipes: tuple[LinearRecipe | None, ...]
-    """Each layer's ``LinearRecipe``; None where ``convert`` left a plain float32 ``nn.Linear``."""
-    activation: str
-    """"ReLU" or "GELU" (exact erf form, as ``torch.nn.GELU()``)."""
-    seed: int
-    """The recipe's seed (stochastic operand streams)."""
-
-
-def mlp_plan(model: nn.Module, recipe: Recipe) -> MLPPlan:
-    """The plan of ``model`` (an ``mlp-digits`` MLP) under ``recipe``, read off ``lowprec.convert`` of a copy, so
-    exactly the layers PyTorch converts are emulated, each with the module's ``LinearRecipe`` (overrides too)."""
-    if not isinstance(model, MLP):
-        raise ValueError(f"framework = 'jax' supports the mlp-digits task; this task's model is "
-                         f"{type(model).__name__}: set framework = \"torch\"")
-    act = type(model.act).__name__
-    if act not in _ACTIVATIONS or getattr(model.act, "approximate", "none") != "none":
-        raise ValueError(f"framework = 'jax': activation {model.act!r} is not supported; use relu or gelu")
-    converted = convert(copy.deepcopy(model), recipe)
-    mods = [(f"layers.{i}", m) for i, m in enumerate(converted.layers)] + [("head", converted.head)]
-    return MLPPlan(names=tuple(n for n, _ in mods),
-                   recipes=tuple(m.recipe if isinstance(m, EmulatedLinear) else None for _, m in mods),
-                   activation=act, seed=recipe.seed)
-
-
-def initial_params(model: nn.Module) -> tuple[tuple[jax.Array, jax.Array], ...]:
-    """``((W [out,in], b [out]) per layer)`` float32, copied from the torch model: the leaf order is the order of
-    ``model.parameters()``, so stochastic weight updates draw the same per-parameter streams as PyTorch."""
-    assert isinstance(model, MLP)
-    lins = [*model.layers, model.head]
-    return tuple((jnp.asarray(m.weight.detach().numpy()), jnp.asarray(m.bias.detach().numpy())) for m in lins)
-
-
-def forward(plan: MLPPlan, params: Any, states: Any, x: jax.Array, step: jax.Array) -> jax.Array:
-    """Logits ``[B, 10]`` float32 of inputs ``x: [B, 64]`` float32; ``step``: the layers' ``lp_step``."""
-    h = x
-    act = _ACTIVATIONS[plan.activation]
-    for i, (name, lin, (w, b), st) in enumerate(zip(plan.names, plan.recipes, params, states, strict=True)):
-        if lin is None:
-            # y = x @ W^T + b   [B,K] @ [K,N] -> [B,N], float32 (a layer kept in high precision)
-            h = jnp.dot(h, w.T, precision=jax.lax.Precision.HIGHEST) + b
-        else:
-            h = lj.linear(h, w, b, recipe=lin, state=st, step=step, seed=plan.seed, name=name)
-        if i < len(plan.names) - 1:
-            h = act(h)
-    return h
-
-
-def _cross_entropy(logits: jax.Array, y: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def _inner_optimizer(o: OptimizerConfig) -> optax.GradientTransformation:
@@ -138,7 +78,7 @@ class _Compiled:
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(plan: MLPPlan, recipe_json: str, o: OptimizerConfig) -> _Compiled:
+def _compile(plan: Plan, recipe_json: str, o: OptimizerConfig) -> _Compiled:
     """The jitted step and forward of one (plan, recipe, optimizer without its ``lr``): shared by every seed, run
     and learning rate of a config, so XLA compiles once per process."""
     opt = lj.LowPrecisionOptimizer(_inner_optimizer(o), Recipe.from_json(recipe_json))
@@ -146,7 +86,7 @@ def _compile(plan: MLPPlan, recipe_json: str, o: OptimizerConfig) -> _Compiled:
 
     def train_step(params, states, opt_state, x, y, step, lr, keys):
         def loss_fn(p, s):
-            return _cross_entropy(forward(plan, p, s, x, step), y)
+            return cross_entropy(forward(plan, p, s, x, step), y)
 
         # the gradient with respect to the delayed-scaling states *is* the new states (lowprec.jax.linear)
         loss, (grads, new_states) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, states)
@@ -164,30 +104,31 @@ def _compile(plan: MLPPlan, recipe_json: str, o: OptimizerConfig) -> _Compiled:
     return _Compiled(opt=opt, step=jax.jit(train_step), logits=jax.jit(functools.partial(forward, plan)))
 
 
+def _to_jax(t: torch.Tensor) -> jax.Array:
+    """A task's torch tensor as a JAX array: floating point as float32, integers (byte tokens, labels) as int32."""
+    a = t.numpy()
+    return jnp.asarray(a.astype(np.int32) if np.issubdtype(a.dtype, np.integer) else a.astype(np.float32))
+
+
 class _JaxModule(nn.Module):
     """A torch module whose forward is the JAX model at its current parameters: lets the task's own
-    ``evaluate`` compute the held-out metrics (float32 logits back as a torch tensor)."""
+    ``evaluate`` compute the held-out metrics (float32 outputs back as a torch tensor)."""
 
     def __init__(self, fn: Any) -> None:
         super().__init__()
         self.fn = fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(self.fn(jnp.asarray(x.numpy()))).copy())
+        return torch.from_numpy(np.asarray(self.fn(_to_jax(x))).copy())
 
 
-def _check(config: RunConfig, resume: str | None) -> None:
-    if resume is not None:
-        raise ValueError(f"run {resume} is a JAX run (framework = \"jax\"): checkpoint/resume is not implemented for "
-                         "JAX runs; start a new run instead")
+def _check(config: RunConfig) -> None:
     if config.parallel.strategy != "single":
         raise ValueError("framework = \"jax\" runs in one process: set parallel.strategy = \"single\"")
     if config.recipe.fallback is not None:
         raise ValueError("recipe.fallback is not implemented for framework = \"jax\"; remove it or use torch")
     if config.stats.every is not None:
         raise ValueError("[stats] every is not implemented for framework = \"jax\"; remove it or use torch")
-    if config.checkpoint.interval:
-        raise ValueError("checkpoint.interval: JAX runs write no checkpoints; set it to 0 or use torch")
 
 
 def jax_manifest(config: RunConfig, task: Task, seed: int) -> dict[str, Any]:
@@ -202,59 +143,147 @@ def jax_manifest(config: RunConfig, task: Task, seed: int) -> dict[str, Any]:
     return m
 
 
+# -- checkpoints ---------------------------------------------------------------------------------------------------
+# The PyTorch runner's files (``_checkpoint``: checksummed, written atomically, the newest ``checkpoint.keep`` kept,
+# in ``checkpoints/<run id>/step-<NNNNNNNN>.ckpt`` next to the store), holding ``framework = "jax"`` and the
+# training state as the leaves of the pytree ``(params, states, opt_state)``, each leaf's raw bytes (bit-exact
+# for every dtype), with its dtype, shape and the tree's structure to check against on load.
+
+TrainState = tuple[Any, Any, Any]
+"""``(params, states, opt_state)``: everything a JAX step reads besides the batch, the step and the lr."""
+
+
+def _pack(tree: TrainState) -> dict[str, Any]:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    arrays = [np.asarray(leaf) for leaf in leaves]
+    return {"treedef": str(treedef), "dtypes": [a.dtype.name for a in arrays],
+            "shapes": [list(a.shape) for a in arrays],
+            "bytes": [torch.from_numpy(np.frombuffer(a.tobytes(), dtype=np.uint8).copy()) for a in arrays]}
+
+
+def _unpack(packed: dict[str, Any], like: TrainState, where: str) -> TrainState:
+    """The pytree ``_pack`` stored, rebuilt on the structure of ``like`` (a freshly initialised state of the same
+    config); ``ValueError`` when the two differ (another model, recipe or optimizer)."""
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    got = list(zip(packed["dtypes"], packed["shapes"], strict=True))
+    want = [(np.asarray(leaf).dtype.name, list(np.shape(leaf))) for leaf in leaves]
+    if packed["treedef"] != str(treedef) or got != want:
+        raise ValueError(f"{where} does not match this run's model, recipe and optimizer (its state has another "
+                         "structure); resume a run with the config it was started with")
+    return treedef.unflatten(
+        [jnp.asarray(np.frombuffer(b.numpy().tobytes(), dtype=np.asarray(leaf).dtype).reshape(shape))
+         for b, leaf, (_, shape) in zip(packed["bytes"], leaves, got, strict=True)])
+
+
+def _save(config: RunConfig, run_id: str, step: int, tree: TrainState) -> None:
+    state = {"framework": "jax", "run_id": run_id, "step": step, "config": config.to_dict(), "world_size": 1,
+             "jax_state": _pack(tree)}
+    save_checkpoint(checkpoint_dir(config.store, run_id), step, state, keep=config.checkpoint.keep)
+
+
+def _restore(config: RunConfig, run_id: str, store: RunStore, like: TrainState) -> tuple[int, TrainState]:
+    """The newest checkpoint of ``run_id`` that verifies: ``(step, state)`` (``(0, like)`` when the run wrote none,
+    as the PyTorch runner does), and the store reopened from that step with a "resumed" event."""
+    record = store.get_run(run_id)
+    framework = record.manifest.get("framework", "torch")
+    if framework != "jax" or record.config.get("framework", "torch") != "jax":
+        raise ValueError(f"run {run_id} is a {framework} run: its checkpoints cannot be resumed as framework = "
+                         f"\"jax\"; resume it with its stored config (lowprec run --resume {run_id})")
+    directory = checkpoint_dir(config.store, run_id)
+    step, tree = 0, like
+    if list_checkpoints(directory):
+        step, state, problems = latest_valid(directory)
+        for p in problems:
+            print(f"lowprec: warning: skipping {p}")
+        where = f"checkpoint of step {step} in {str(directory)!r}"
+        if state.get("framework") != "jax" or "jax_state" not in state:
+            raise ValueError(f"{where} was written by the PyTorch runner, not by a JAX run; resume it with "
+                             "framework = \"torch\"")
+        if state.get("run_id") != run_id:
+            raise ValueError(f"{where} belongs to run {state.get('run_id')!r}, not {run_id!r}")
+        step, tree = int(state["step"]), _unpack(state["jax_state"], like, where)
+    store.reopen_run(run_id, from_step=step)
+    store.add_event(run_id, step=step, kind="resumed", payload={"from_step": step, "world_size": 1,
+                                                                "checkpoint_world_size": 1 if step else None,
+                                                                "checkpoint": "file" if step else "none"})
+    return step, tree
+
+
+# -- the loop ------------------------------------------------------------------------------------------------------
+
+
+def _step_values(task: Task, loss: float, norm: float, lr: float, dt: float) -> dict[str, float]:
+    return {"train/loss": loss, "train/grad_norm": norm, "train/lr": lr, "train/step_time_s": dt,
+            "train/samples_per_s": task.samples_per_step / dt}
+
+
+def _loop(config: RunConfig, task: Task, fns: _Compiled, rid: str, store: RunStore, tree: TrainState, step: int,
+          bar: Progress) -> None:
+    """Train from ``step`` (the state ``tree`` after it) to ``config.steps``, logging and checkpointing."""
+    params, states, opt_state = tree
+    steps, every, lr0 = config.steps or 0, config.eval_interval or 1, config.optimizer.lr or 0.0
+    interval = config.checkpoint.interval
+    while step < steps:
+        lr = config.schedule.lr_at(step, lr=lr0, steps=steps)
+        t0 = time.perf_counter()
+        x, y = _np_batch(task, step)
+        params, states, opt_state, loss, norm = fns.step(
+            params, states, opt_state, x, y, jnp.int32(step + 1), jnp.float32(lr), fns.opt.step_keys(step))
+        loss_f, norm_f = float(loss), float(norm)  # blocks until the step is done
+        values = _step_values(task, loss_f, norm_f, lr, time.perf_counter() - t0)
+        step += 1
+        diverged = not (math.isfinite(loss_f) and math.isfinite(norm_f))
+        if step % every == 0 or step == steps or diverged:
+            p, s, k = params, states, jnp.int32(step)
+            metrics = task.evaluate(_JaxModule(lambda v: fns.logits(p, s, v, k)))
+            values.update({f"eval/{m}": float(v) for m, v in metrics.items()})
+        store.log_scalars(rid, step, values)
+        bar.update(step, loss=loss_f)
+        if diverged:
+            store.add_event(rid, step=step, kind="diverged", payload={"loss": repr(loss_f), "grad_norm": repr(norm_f)})
+            break
+        if interval and step % interval == 0 and step < steps:
+            _save(config, rid, step, (params, states, opt_state))
+    _save(config, rid, step, (params, states, opt_state))
+
+
 def _np_batch(task: Task, step: int) -> tuple[jax.Array, jax.Array]:
     x, y = task.train_batch(step)
-    return jnp.asarray(x.numpy()), jnp.asarray(y.numpy().astype(np.int32))
+    return _to_jax(x), _to_jax(y)
 
 
 def jax_train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None = None, progress: bool = True,
               run_id: str | None = None) -> str:
-    """Train ``config`` (``framework = "jax"``) with ``seed`` in JAX and record it in ``store``; returns the run id.
+    """Train ``config`` (``framework = "jax"``) with ``seed`` in JAX and record it in ``store``, or continue run
+    ``resume`` (a JAX run) from its newest valid checkpoint; returns the run id.
 
     Records what the PyTorch runner records (``train/loss``, ``train/grad_norm``, ``train/lr``,
     ``train/step_time_s``, ``train/samples_per_s`` per step; ``eval/<metric>`` every ``eval_interval`` steps and at
-    the last), and a ``diverged`` event when the loss or gradient norm is non-finite.  Raises ``ValueError`` for
-    what JAX runs do not implement (module docstring).
+    the last), a ``diverged`` event when the loss or gradient norm is non-finite, and checkpoints every
+    ``checkpoint.interval`` steps and at the end.  A resumed run logs the same values, bit for bit, as an
+    uninterrupted one.  Raises ``ValueError`` for what JAX runs do not implement (module docstring) and for a
+    ``resume`` of a PyTorch run.
     """
-    _check(config, resume)
+    _check(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     task = build_task(config, seed)
     config = config.for_seed(seed).resolve({**task.defaults, "batch_size": task.samples_per_step})
-    plan = mlp_plan(task.model, config.recipe)
+    plan = model_plan(task.model, config.recipe)
     fns = _compile(plan, config.recipe.to_json(), dataclasses.replace(config.optimizer, lr=None))
     params = fns.opt.to_storage(initial_params(task.model))
-    states = tuple(lj.init_state(r) if r is not None else {} for r in plan.recipes)
-    opt_state = fns.opt.init(params)
-    rid = store.create_run(name=f"{config.label} seed {seed}", config=config.to_dict(),
-                           manifest=jax_manifest(config, task, seed), group=config.group or config.label,
-                           run_id=run_id)
-    steps, every, lr0 = config.steps or 0, config.eval_interval or 1, config.optimizer.lr or 0.0
-    bar = Progress(f"{config.label} seed {seed}", steps, enabled=progress)
+    tree: TrainState = (params, initial_states(plan), fns.opt.init(params))
     step = 0
+    if resume is not None:
+        rid = store.get_run(resume).run_id
+        step, tree = _restore(config, rid, store, tree)
+    else:
+        rid = store.create_run(name=f"{config.label} seed {seed}", config=config.to_dict(),
+                               manifest=jax_manifest(config, task, seed), group=config.group or config.label,
+                               run_id=run_id)
+    bar = Progress(f"{config.label} seed {seed}", config.steps or 0, start=step, enabled=progress)
     try:
-        while step < steps:
-            lr = config.schedule.lr_at(step, lr=lr0, steps=steps)
-            t0 = time.perf_counter()
-            x, y = _np_batch(task, step)
-            params, states, opt_state, loss, norm = fns.step(
-                params, states, opt_state, x, y, jnp.int32(step + 1), jnp.float32(lr), fns.opt.step_keys(step))
-            loss_f, norm_f = float(loss), float(norm)  # blocks until the step is done
-            dt = time.perf_counter() - t0
-            step += 1
-            values = {"train/loss": loss_f, "train/grad_norm": norm_f, "train/lr": lr, "train/step_time_s": dt,
-                      "train/samples_per_s": task.samples_per_step / dt}
-            diverged = not (math.isfinite(loss_f) and math.isfinite(norm_f))
-            if step % every == 0 or step == steps or diverged:
-                p, s, k = params, states, jnp.int32(step)
-                metrics = task.evaluate(_JaxModule(lambda v: fns.logits(p, s, v, k)))
-                values.update({f"eval/{m}": float(v) for m, v in metrics.items()})
-            store.log_scalars(rid, step, values)
-            bar.update(step, loss=loss_f)
-            if diverged:
-                store.add_event(rid, step=step, kind="diverged",
-                                payload={"loss": repr(loss_f), "grad_norm": repr(norm_f)})
-                break
+        _loop(config, task, fns, rid, store, tree, step, bar)
     except BaseException as e:
         reason = "interrupted (KeyboardInterrupt)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
         store.finish_run(rid, status="failed", error=reason)
