@@ -24,58 +24,14 @@ tensor scale ``codes * fl(1/m)`` with ``m = max_elem / amax`` (the float32 Trans
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
-from .. import formats
 from ..quant import QuantSpec, _codec, dequantize, quantize, quantize_scaled
 from ..quant._scale import group_scale, uses_multiplier
 from ..quant._scaled import TwoLevelScales
-
-_SUPPORTED_SCALINGS = ("none", "tensor", "block")
-
-
-def resolve_spec(spec: object, rounding: object = None) -> QuantSpec:
-    """The ``QuantSpec`` a hook sends gradients in, validated for flat gradient buckets.
-
-    ``spec``: a ``QuantSpec``, a ``QuantSpec`` name ("fp8_e4m3_tensorwise", "mxfp8_e4m3", ...) or a format name:
-    16- and 32-bit formats ("bfloat16", "float16", "float32") are sent unscaled, narrower formats ("float8_e4m3fn",
-    "float8_e5m2", ...) with one shared float32 scale per bucket.  ``rounding`` (if not None) replaces the spec's.
-    Raises ``ValueError`` naming the field that does not fit.
-    """
-    if isinstance(spec, str):
-        if spec in QuantSpec.names():
-            spec = QuantSpec.named(spec)
-        elif spec in formats.names():
-            fmt = formats.get(spec)
-            spec = QuantSpec(elem=spec, scaling="none" if fmt.bits >= 16 else "tensor")
-        else:
-            raise ValueError(
-                f"spec: unknown name {spec!r}; use a QuantSpec name ({', '.join(QuantSpec.names())}) or a format "
-                f"name ({', '.join(formats.names())})"
-            )
-    if not isinstance(spec, QuantSpec):
-        raise ValueError(f"spec must be a QuantSpec or a spec/format name; got {type(spec).__name__}")
-    if rounding is not None:
-        spec = dataclasses.replace(spec, rounding=rounding)  # type: ignore[arg-type]  # QuantSpec validates it
-    if spec.scaling not in _SUPPORTED_SCALINGS:
-        raise ValueError(
-            f"QuantSpec.scaling={spec.scaling!r} does not fit a gradient bucket (a flat 1-D buffer); use 'none', "
-            "'tensor' (one shared scale per bucket) or 'block' (MX, NVFP4)"
-        )
-    if spec.scaling == "block" and spec.axis not in (0, -1):
-        raise ValueError(f"QuantSpec.axis must be -1 or 0 for a flat gradient bucket; got {spec.axis}")
-    fmt = spec.format
-    if _codec.torch_dtype(fmt) is None and fmt.bits > 8:
-        raise ValueError(
-            f"QuantSpec.elem={fmt.name!r} has no storage layout to send; use bfloat16, float16, float32 or a format "
-            "of 8 bits or fewer"
-        )
-    if spec.scaling == "block" and _codec.torch_dtype(spec.scale_spec) is None:
-        raise ValueError(f"QuantSpec.scale_format={spec.scale_spec.name!r} has no torch dtype to send scales in")
-    return spec
+from ..quant._spec_args import resolve_spec as resolve_spec
 
 
 def codes_nbytes(numel: int, spec: QuantSpec) -> int:

@@ -7,7 +7,7 @@ Import it explicitly (``import lowprec.jax``); ``import lowprec`` does not impor
 are the shared ``lowprec.formats`` / ``lowprec.QuantSpec`` / ``lowprec.Recipe``.
 """
 
-from ..quant._scaled import TwoLevelScales as TwoLevelScales
+from ..quant._scale_rules import TwoLevelScales as TwoLevelScales
 from ..quant._spec import QuantSpec as QuantSpec
 from ._dense import dot_general as dot_general
 from ._dense import init_state as init_state

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..formats import FormatSpec
-from ..quant._codec import code_value
+from ..quant._storage import code_value
 from ._bits import INF, bits
 
 _JAX_DTYPES = {

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import formats
-from ..quant._random import stream_seed
+from ..quant._random_py import stream_seed
 from ..recipes import Gemm, LinearRecipe, Operand
 from ..recipes._recipe import GEMMS, OPERAND_ROLE, shares_quantization
 from . import _random

@@ -10,8 +10,8 @@ import math
 
 import jax.numpy as jnp
 
-from ..quant._groups import check_layout as check_layout
-from ..quant._groups import reduce_dims as reduce_dims
+from ..quant._layout import check_layout as check_layout
+from ..quant._layout import reduce_dims as reduce_dims
 from ..quant._spec import QuantSpec
 
 

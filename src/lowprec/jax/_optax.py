@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from .. import formats, recipes
-from ..quant._random import stream_seed
+from ..quant._random_py import stream_seed
 from ..quant._spec import QuantSpec
 from ..recipes import Recipe
 from . import _random

@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distributed._wire import resolve_spec
-from ..quant._random import stream_seed
+from ..quant._random_py import stream_seed
 from ..quant._spec import QuantSpec
+from ..quant._spec_args import resolve_spec
 from ..recipes import GradComm
 from . import _random
 from ._bits import INF

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..quant._random import seed_keys as seed_keys
+from ..quant._random_py import seed_keys as seed_keys
 
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B

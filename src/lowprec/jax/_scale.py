@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..formats import FormatSpec
-from ..quant._scale import _F32_MAX, _SCALE_ROUNDING_TO_ELEM, _mantissa_bits, uses_multiplier
+from ..quant._scale_rules import _F32_MAX, _SCALE_ROUNDING_TO_ELEM, _mantissa_bits, uses_multiplier
 from ..quant._spec import QuantSpec
 from ._bits import INF, QNAN, _unpack, const_bits, div_mag, mul_mag, pow2_bits
 from ._round import quantize_bits

@@ -19,10 +19,10 @@ from typing import TypeAlias
 import jax
 import jax.numpy as jnp
 
-from ..quant._scale import uses_multiplier
-from ..quant._scaled import TwoLevelScales as TwoLevelScales
-from ..quant._scaled import _resolve  # the same validation and message as the PyTorch side
+from ..quant._scale_rules import TwoLevelScales as TwoLevelScales
+from ..quant._scale_rules import uses_multiplier
 from ..quant._spec import QuantSpec
+from ..quant._spec_args import _resolve  # the same validation and message as the PyTorch side
 from . import _codec, _groups, _random
 from ._bits import ABS, bits, const_bits, div_mag, f32, mul_fast, mul_mag, div_fast
 from ._quantize import check_array, stochastic_args

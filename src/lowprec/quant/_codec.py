@@ -15,53 +15,18 @@ of a format of 8 bits or fewer, derived from the ``FormatSpec`` fields alone.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..formats import FormatSpec
+from ._storage import TORCH_DTYPE_NAMES, has_torch_dtype
+from ._storage import code_value as code_value
 
-_TORCH_DTYPES = {
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
-    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
-    "float8_e8m0fnu": torch.float8_e8m0fnu,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+_TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in TORCH_DTYPE_NAMES}
 
 
 def torch_dtype(fmt: FormatSpec) -> torch.dtype | None:
     """The torch dtype that stores ``fmt`` exactly, if there is one."""
-    dt = _TORCH_DTYPES.get(fmt.name)
-    if dt is None or fmt.kind != "float":
-        return None
-    return dt
-
-
-def code_value(fmt: FormatSpec, code: int) -> float:
-    """The value of one code (Python float; NaN for NaN codes).  The reference definition of a format."""
-    if fmt.kind == "int":
-        k = code - (1 << fmt.bits) if code >= 1 << (fmt.bits - 1) else code
-        return math.ldexp(k, -fmt.frac_bits)
-    e_bits, m_bits = fmt.ebits, fmt.mbits
-    sign = (code >> (e_bits + m_bits)) & 1 if fmt.signed else 0
-    field = (code >> m_bits) & ((1 << e_bits) - 1)
-    mant = code & ((1 << m_bits) - 1)
-    top = field == (1 << e_bits) - 1
-    if fmt.special == "ieee" and top:
-        return math.nan if mant else (-math.inf if sign else math.inf)
-    if fmt.special == "fn" and top and mant == (1 << m_bits) - 1:
-        return math.nan
-    if fmt.special == "fnuz" and sign and field == 0 and mant == 0:
-        return math.nan
-    if field == 0 and fmt.has_subnormals:
-        mag = math.ldexp(mant, 1 - fmt.bias - m_bits)
-    else:
-        mag = math.ldexp(1.0 + mant / (1 << m_bits), field - fmt.bias)
-    return -mag if sign else mag
+    return _TORCH_DTYPES[fmt.name] if has_torch_dtype(fmt) else None
 
 
 def decode_table(fmt: FormatSpec) -> torch.Tensor:

@@ -12,32 +12,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ._layout import check_layout as check_layout
+from ._layout import reduce_dims as reduce_dims
 from ._spec import QuantSpec
-
-
-def check_layout(shape: torch.Size | tuple[int, ...], spec: QuantSpec) -> None:
-    """Raise ``ValueError`` naming the argument when ``spec`` does not fit a tensor of ``shape``."""
-    ndim = len(shape)
-    if spec.scaling in ("axis", "block") and (ndim == 0 or not -ndim <= spec.axis < ndim):
-        raise ValueError(
-            f"QuantSpec.axis={spec.axis} is out of range for a tensor of {ndim} dimension(s) "
-            f"(shape {tuple(shape)}); use an axis in [{-ndim}, {ndim - 1}]"
-        )
-    if spec.scaling == "tile" and ndim < 2:
-        raise ValueError(
-            f"QuantSpec.tile={spec.tile} needs a tensor with at least 2 dimensions; got shape {tuple(shape)}"
-        )
-
-
-def reduce_dims(spec: QuantSpec, ndim: int) -> tuple[int, ...]:
-    """Dimensions of the grouped view to take the amax over."""
-    if spec.scaling == "tensor":
-        return tuple(range(ndim))
-    if spec.scaling == "axis":
-        return (spec.axis % ndim,)
-    if spec.scaling == "block":
-        return (-1,)
-    return (-3, -1)  # tile
 
 
 def group(t: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -6,10 +6,11 @@ import torch
 
 from ..formats import FormatSpec
 from ._round import _pow2, quantize_f32
+from ._scale_rules import _F32_MAX as _F32_MAX
+from ._scale_rules import _SCALE_ROUNDING_TO_ELEM as _SCALE_ROUNDING_TO_ELEM
+from ._scale_rules import _mantissa_bits as _mantissa_bits
+from ._scale_rules import uses_multiplier as uses_multiplier
 from ._spec import QuantSpec
-
-_F32_MAX = float.fromhex("0x1.fffffep127")
-_SCALE_ROUNDING_TO_ELEM = {"nearest": "nearest", "floor": "toward_zero", "ceil": "away"}
 
 
 def _log2_parts(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,14 +23,6 @@ def _log2_parts(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bits = vn.view(torch.int32)
     exp = (bits >> 23) - 127 - sub.to(torch.int32) * 64
     return exp, bits & 0x7FFFFF
-
-
-def _mantissa_bits(value: float) -> int:
-    """The 23 float32 mantissa bits of a positive normal Python float that float32 holds exactly."""
-    import struct
-
-    # Pure Python (no tensor, no .item()): torch.compile traces this without a graph break.
-    return int(struct.unpack("<I", struct.pack("<f", value))[0]) & 0x7FFFFF
 
 
 def pow2_scale(amax: torch.Tensor, spec: QuantSpec, elem: FormatSpec, sfmt: FormatSpec) -> torch.Tensor:
@@ -56,14 +49,6 @@ def float_scale(raw: torch.Tensor, spec: QuantSpec, sfmt: FormatSpec) -> torch.T
             raw, sfmt, rounding=_SCALE_ROUNDING_TO_ELEM[spec.scale_rounding], saturate=True, rbits=None
         )
     return torch.clamp(raw, min=sfmt.min_subnormal, max=sfmt.max)
-
-
-def uses_multiplier(spec: QuantSpec) -> bool:
-    """True for float32 scales, which follow TransformerEngine/torchao: a quantization multiplier
-    ``m = max_elem / amax`` (codes = Q(x * m)) whose float32 reciprocal ``1/m`` is the stored dequantization scale
-    (the ``scale_a``/``scale_b`` that ``torch._scaled_mm`` takes)."""
-    sfmt = spec.scale_spec
-    return sfmt.mbits == 23 and sfmt.emin <= -126
 
 
 def group_scale(amax: torch.Tensor, spec: QuantSpec, tensor_scale: torch.Tensor | None) -> torch.Tensor:

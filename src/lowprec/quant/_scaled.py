@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import NamedTuple, TypeAlias
+from typing import TypeAlias
 
 import torch
 
@@ -40,15 +40,9 @@ from ._elementwise import (
 )
 from ._round import quantize_f32
 from ._scale import _F32_MAX, group_scale, tensor_scale_from_amax, uses_multiplier
+from ._scale_rules import TwoLevelScales as TwoLevelScales
 from ._spec import QuantSpec
-
-
-class TwoLevelScales(NamedTuple):
-    """Scales of a two-level spec (NVFP4): per-group scales in the scale format and a float32 tensor scale."""
-
-    group: torch.Tensor
-    tensor: torch.Tensor
-
+from ._spec_args import _resolve as _resolve
 
 Scales: TypeAlias = torch.Tensor | TwoLevelScales
 
@@ -229,14 +223,6 @@ def _fake(
     if y is None:
         y = _backend.run(_fake_kernel, x.numel(), x, s, s_t, keys, off, spec=spec)
     return y if y.shape == x.shape else _groups.crop(y, x.shape).contiguous()
-
-
-def _resolve(spec: object) -> QuantSpec:
-    if isinstance(spec, str):
-        spec = QuantSpec.named(spec)
-    if not isinstance(spec, QuantSpec):
-        raise ValueError(f"spec must be a QuantSpec or a spec name; got {type(spec).__name__}")
-    return spec
 
 
 def _check(x: torch.Tensor, spec: object) -> QuantSpec:

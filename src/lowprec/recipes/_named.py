@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..quant import QuantSpec
+from ..quant._spec import QuantSpec
 from ._recipe import (
     Accumulator,
     Gemm,

@@ -24,7 +24,7 @@ import json
 from typing import Any, Literal, get_args
 
 from .. import formats
-from ..quant import QuantSpec
+from ..quant._spec import QuantSpec
 
 ScalingKind = Literal["current", "delayed"]
 AmaxAlgorithm = Literal["max", "most_recent"]

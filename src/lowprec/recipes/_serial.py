@@ -10,7 +10,7 @@ import json
 import math
 from typing import Any, TypeVar, get_type_hints
 
-from ..quant import QuantSpec
+from ..quant._spec import QuantSpec
 from . import _recipe as R
 
 T = TypeVar("T")
