@@ -197,8 +197,8 @@ def _loaded(package: str) -> set[str]:
 
 def test_public_names_unchanged() -> None:
     """Oracle: the literal lists of public names of ``lowprec`` and ``lowprec.quant`` before the change: ``__all__``
-    equals them, the public part of ``dir()`` equals them (less submodules imported elsewhere), and each name resolves to the object of its defining
-    module (``lowprec.convert is lowprec.nn.convert``, ...)."""
+    equals them, the public part of ``dir()`` equals them (less submodules imported elsewhere), and each name
+    resolves to the object of its defining module (``lowprec.convert is lowprec.nn.convert``, ...)."""
     import lowprec.nn
     from lowprec.quant import _backend, _elementwise, _scaled
 
