@@ -24,13 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from lowprec.testing.tolerances import DP_VS_SINGLE_REL
 
-# Max relative difference of the parameters after 5 AdamW steps (lr 1e-2), 2 devices vs one on the full batch,
-# general normal data: only the order of the float32 gradient sums differs (per shard, then across shards), which
-# Adam's normalised update passes on; measured 1.7e-6 (worst element, relative to |p| + 1e-6, the biases starting
-# at 0).  2e-5 leaves >10x headroom and catches a wrong mean (a missing /W is a factor 2).
-DP_VS_SINGLE_REL = 2e-5
+ROOT = Path(__file__).resolve().parents[1]
 
 COMMS = {
     "bf16": {"spec": {"elem": "bfloat16"}},
