@@ -132,8 +132,8 @@ def test_jax_runs_refuse_parallel_layouts_and_other_models(runs) -> None:
 @pytest.fixture(scope="module")
 def gpt(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("jaxgpt") / "runs.db"
-    cfg = RunConfig(model="gpt-bytes", model_options=GPT, batch_size=8, steps=GPT_STEPS, eval_interval=15, threads=1,
-                    store=str(path), seeds=(0,))
+    cfg = RunConfig(model="gpt-bytes", model_options=GPT, batch_size=8, steps=GPT_STEPS, eval_interval=GPT_STEPS,
+                    threads=1, store=str(path), seeds=(0,))
     jax_cfg = dataclasses.replace(cfg, framework="jax")
     fp8 = recipes.get("fp8-delayed")  # delayed scaling: amax histories are state that checkpoints must carry
     jax_fp8_cfg = dataclasses.replace(jax_cfg, recipe=fp8, name="jax fp8-delayed",
