@@ -302,4 +302,4 @@ def test_docs_jax_run_config_example_is_valid() -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "jax.md").read_text()
     (block,) = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
     cfg = RunConfig.from_toml(block, where="docs/jax.md")
-    assert cfg.framework == "jax" and cfg.model == "mlp-digits"
+    assert cfg.framework == "jax" and cfg.model == "gpt-bytes" and cfg.checkpoint.interval == 100

@@ -1,11 +1,13 @@
 """``jax_train``: the runner's training loop in JAX (``framework = "jax"`` in a run config), recorded in the same
 run store, under the same scalar names and with a manifest, so a JAX run is judged against a PyTorch baseline.
+The models' JAX forms are in ``_jax_models``; this module is the loop, the optimizer and the checkpoints.
 
 What is shared with the PyTorch side, so that the two frameworks train the same experiment:
 
 * **the task**: the zoo task is built exactly as for PyTorch (``build_task``); its freshly initialised torch model
-  is the JAX model's initial state (weights copied to numpy), and every batch is the task's ``train_batch(step)``
-  converted to numpy.  Same seed, same starting point, same batches.
+  is the JAX model's initial state (weights copied to numpy, in ``model.parameters()`` order), and every batch is
+  the task's ``train_batch(step)`` converted to numpy (floats as float32, integers as int32).  Same seed, same
+  starting point, same batches.
 * **the recipe**: the torch model is ``lowprec.convert``-ed (a copy), and each layer that became an
   ``EmulatedLinear`` runs through ``lowprec.jax.linear`` with that module's ``LinearRecipe``, seed and qualified
   name; a layer ``keep_high_precision`` (or ``keep_types``) left alone stays a float32 ``x @ W^T + b``.
@@ -16,15 +18,22 @@ What is shared with the PyTorch side, so that the two frameworks train the same 
   (the recipe's weight storage and optimizer-state policies).  Global gradient norm and clipping as PyTorch's
   runner: ``norm = ||(||g_i||)_i||_2``, gradients times ``clip / norm`` when ``norm > clip``.
 * **the metrics**: the task's own ``evaluate`` runs on a torch module whose forward calls the jitted JAX forward,
-  so ``eval/loss`` and ``eval/accuracy`` are computed by the task's definitions, on the same held-out set.
+  so ``eval/<metric>`` is computed by the task's definitions, on the same held-out set.
+* **checkpoints**: the PyTorch runner's files and conventions (``checkpoint.interval`` and ``keep``, checksummed
+  atomic files in ``checkpoints/<run id>/``, the newest that verifies on resume, records after its step dropped,
+  a "resumed" event).  A JAX checkpoint holds ``framework = "jax"`` and the raw bytes of every leaf of
+  ``(params, delayed-scaling states, optax state)``; the step is the only other state (batches and random streams
+  are functions of it), so a resumed run logs the uninterrupted run's values bit for bit.  Resuming a PyTorch
+  run, or a PyTorch checkpoint, as JAX raises ``ValueError``.
 
 Not bitwise equal to PyTorch in float32: XLA's GEMMs and reductions sum in another order than PyTorch's BLAS, and
 optax's Adam formula rounds differently from ``torch.optim.AdamW`` (docs/jax.md), so curves agree to float32
 rounding noise that training then amplifies (measured in ``tests/test_jax_runs.py``).
 
-Supported: the ``mlp-digits`` task (any ``hidden``/``layers``/``activation``), single process.  Not implemented:
-checkpoints and ``--resume`` (refused with a ``ValueError``), loss scaling (refused by ``LowPrecisionOptimizer``),
-automatic fallback and tensor statistics (refused).  Data-parallel JAX training is ``lowprec.jax.data_parallel``.
+Supported: the ``mlp-digits`` and ``gpt-bytes`` tasks with any of their options (``tie_head`` included), single
+process, checkpoints and ``--resume``.  Not implemented: loss scaling (refused by ``LowPrecisionOptimizer``),
+automatic fallback and tensor statistics (refused with a ``ValueError``), other zoo tasks (refused by
+``model_plan``).  Data-parallel JAX training is ``lowprec.jax.data_parallel``, not wired in here.
 """
 
 from __future__ import annotations
@@ -165,7 +174,7 @@ def _unpack(packed: dict[str, Any], like: TrainState, where: str) -> TrainState:
     """The pytree ``_pack`` stored, rebuilt on the structure of ``like`` (a freshly initialised state of the same
     config); ``ValueError`` when the two differ (another model, recipe or optimizer)."""
     leaves, treedef = jax.tree_util.tree_flatten(like)
-    got = list(zip(packed["dtypes"], packed["shapes"], strict=True))
+    got = list(zip(packed["dtypes"], packed["shapes"], strict=False))
     want = [(np.asarray(leaf).dtype.name, list(np.shape(leaf))) for leaf in leaves]
     if packed["treedef"] != str(treedef) or got != want:
         raise ValueError(f"{where} does not match this run's model, recipe and optimizer (its state has another "
