@@ -320,3 +320,41 @@ def test_compiled_region_calls_the_fused_kernel_with_eager_bits(monkeypatch: pyt
     assert len(calls) == 2
     assert_bitwise_equal(got[0], fake_quantize_tensors(x, spec), context="own amax")
     assert_bitwise_equal(got[1], fake_quantize_tensors(x, spec, amax=amax), context="delayed amax")
+
+
+@pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated")
+# dynamo reads .grad of a non-leaf while tracing the delayed-scaling buffers' updates (PyTorch's warning)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
+def test_compiled_backward_requantizes_saved_activations_with_eager_bits(
+    recipe: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch.compile an activation that needs a gradient is saved unquantized and quantized again in
+    backward (so that the ReLU mask before it is not saved as a slow bool store): the compiled backward runs one
+    extra fused quantization per such layer, and the loss and every gradient keep the eager bits (oracle: the same
+    step without torch.compile, which saves Q(x)).  No biases: inductor sums a bias gradient in another order than
+    eager PyTorch even without lowprec (tests/test_nn_convert.py)."""
+    if not _native.available():
+        pytest.skip("no C compiler here: the native kernels are not built")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(24, 40, bias=False), nn.ReLU(), nn.Linear(40, 16, bias=False), nn.ReLU(),
+                         nn.Linear(16, 8, bias=False))
+    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
+    lowprec.convert(eager, recipe)
+    lowprec.convert(compiled, recipe)
+    x = torch.randn(6, 24)
+    ref = eager(x).square().sum()
+    ref.backward()
+    calls: list[int] = []
+    real = _native.round_nearest
+    monkeypatch.setattr(_native, "round_nearest", lambda t, **kw: calls.append(t.numel()) or real(t, **kw))
+    torch._dynamo.reset()
+    loss = torch.compile(compiled)(x).square().sum()
+    n_forward = len(calls)
+    loss.backward()
+    # forward: each layer's x and W; backward: dY of each layer and the replayed inputs of layers 2 ([6, 40]) and
+    # 3 ([6, 16]); the first layer's input needs no gradient, so its saved Q(x) is kept (no ReLU before it)
+    assert n_forward == 6 and sorted(calls[n_forward:]) == sorted([6 * 40, 6 * 16, 6 * 40, 6 * 16, 6 * 8]), calls
+    assert_bitwise_equal(loss.detach(), ref.detach(), context=recipe)
+    for (name, pa), pb in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert_bitwise_equal(pb.grad, pa.grad, context=f"{recipe} {name}")  # type: ignore[arg-type]
