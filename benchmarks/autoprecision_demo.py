@@ -40,8 +40,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from lowprec._cli_precision import calibrate, eval_batches
-from lowprec.numerics._autoprecision import PrecisionPlan, choose_precision, plan_table, storage_bits, uniform_plan
+from lowprec._cli_precision import calibrate, eval_batches, probe_trainer
+from lowprec.numerics._autoprecision import (
+    PrecisionPlan,
+    choose_precision,
+    plan_table,
+    storage_bits,
+    training_probe,
+    uniform_plan,
+)
 from lowprec.numerics._sensitivity import resolve_candidate, sensitivity_table
 from lowprec.runs._baseline import RunData
 from lowprec.runs._config import RunConfig
@@ -54,11 +61,20 @@ WITH_NVFP4 = ["mxfp4", "nvfp4", "mxfp6_e2m3", "mxfp8_e4m3", "bfloat16"]
 
 
 def _plans(table: list[Any], budgets: list[float], candidates: list[str] | None, uniform: list[str],
-           fp32_head: bool) -> dict[str, PrecisionPlan]:
-    """The arms: a chosen mix per budget (``candidates``, or by default nvfp4 joins the candidates below 5 bits),
-    the uniform formats, and optionally mxfp4 with float32 heads."""
-    plans = {f"auto-{b:g}": choose_precision(
-        table, budget_bits=b, candidates=candidates or (WITH_NVFP4 if b < 5 else CANDIDATES)) for b in budgets}
+           fp32_head: bool, metrics: list[str]) -> dict[str, PrecisionPlan]:
+    """The arms: a chosen mix per budget and metric (``candidates``, or by default nvfp4 joins the candidates
+    below 5 bits), the uniform formats, and optionally mxfp4 with float32 heads."""
+    plans = {}
+    for metric in metrics:
+        suffix = "" if metrics == ["sqnr"] else f"-{metric}"
+        for b in budgets:
+            plan = choose_precision(table, budget_bits=b, metric=metric,
+                                    candidates=candidates or (WITH_NVFP4 if b < 5 else CANDIDATES))
+            same = [n for n, p in plans.items() if p.assignment == plan.assignment]
+            if same:  # the same mix already is an arm: train it once
+                print(f"arm auto-{b:g}{suffix} is the same mix as {same[0]}", file=sys.stderr)
+                continue
+            plans[f"auto-{b:g}{suffix}"] = plan
     for spec in uniform:
         plans[f"uniform-{spec}"] = uniform_plan(table, spec)
     if fp32_head:
@@ -89,7 +105,8 @@ def _heads_in_float32(plan: PrecisionPlan, table: list[Any]) -> PrecisionPlan:
     noise = sum(r.noise for r in chosen)
     avg = bits / sum(r.params for r in chosen)
     return dataclasses.replace(plan, assignment=assignment, average_bits=avg, budget_bits=avg,
-                               predicted_sqnr_db=math.inf if noise == 0 else -10 * math.log10(noise))
+                               predicted_sqnr_db=math.inf if noise == 0 else -10 * math.log10(noise),
+                               predicted_loss_delta=sum(r.probe_delta for r in chosen))
 
 
 def _finite(v: float) -> float | str:
@@ -108,9 +125,12 @@ def _arm(store: RunStore, config: RunConfig, name: str, plan: PrecisionPlan, tab
             if key.startswith("eval/"):
                 finals.setdefault(key[5:], []).append(float(values[-1]))
     return {
-        "arm": name, "average_bits": plan.average_bits, "predicted_sqnr_db": _finite(plan.predicted_sqnr_db),
+        "arm": name, "metric": plan.metric, "average_bits": plan.average_bits,
+        "predicted_sqnr_db": _finite(plan.predicted_sqnr_db),
+        "predicted_loss_delta": _finite(plan.predicted_loss_delta),
         "assignment": dict(plan.assignment),
-        "layers": [{**row, "sqnr_db": _finite(row["sqnr_db"])} for row in plan_table(plan, table)],
+        "layers": [{**row, "sqnr_db": _finite(row["sqnr_db"]), "probe_delta": _finite(row["probe_delta"])}
+                   for row in plan_table(plan, table)],
         "final": {k: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)), "per_seed": v}
                   for k, v in finals.items()},
         "seconds": round(time.perf_counter() - t0, 1),
@@ -135,6 +155,11 @@ def main() -> int:
                     help="uniform arms (default: mxfp4 nvfp4 mxfp6_e2m3)")
     ap.add_argument("--no-fp32-head", dest="fp32_head", action="store_false",
                     help="drop the arm 'mxfp4 with float32 heads'")
+    ap.add_argument("--metric", nargs="+", choices=("sqnr", "probe"), default=["sqnr"],
+                    help="what the auto arms minimise; one auto arm per (metric, budget) (default: sqnr)")
+    ap.add_argument("--probe-steps", type=int, help="steps of each probe run (default: the task's)")
+    ap.add_argument("--probe-seeds", type=int, default=1,
+                    help="probe seeds: the calibration seed and the next N-1 (default 1)")
     ap.add_argument("--store", help="run store path (default: a temporary directory)")
     ap.add_argument("--out", help="also write the JSON here, rewritten after every arm")
     ap.add_argument("--progress", action="store_true")
@@ -152,6 +177,7 @@ def main() -> int:
         "task": args.task, "model_options": dict(args.model_option), "batch_size": args.batch_size,
         "seeds": list(seeds), "calibration_seed": args.calib_seed, "eval_batches": args.batches,
         "budgets": args.budgets, "candidates": candidates, "uniform": uniform, "store": store_path,
+        "metrics": args.metric, "probe_steps": args.probe_steps, "probe_seeds": args.probe_seeds,
         "torch": torch.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
     }
 
@@ -165,10 +191,17 @@ def main() -> int:
         t0 = time.perf_counter()
         cal = calibrate(config, store=store, seed=args.calib_seed, progress=args.progress)
         table = sensitivity_table(cal.model, eval_batches(cal, args.batches), cal.task.loss_fn, measured)
-        plans = _plans(table, args.budgets, candidates, uniform, args.fp32_head)
+        if "probe" in args.metric:  # the uniform and head-in-float32 arms are probed too (their predictions)
+            t1 = time.perf_counter()
+            trainer = probe_trainer(config, store=store, steps=args.probe_steps, progress=args.progress)
+            table = training_probe(table, trainer, seeds=[args.calib_seed + i for i in range(args.probe_seeds)])
+            out["probe_seconds"] = round(time.perf_counter() - t1, 1)
+        plans = _plans(table, args.budgets, candidates, uniform, args.fp32_head, args.metric)
         out.update(calibration_run=cal.run_id, sensitivity=[{**r.to_dict(), "shapes": None} for r in table],
                    planned={n: {"average_bits": p.average_bits, "assignment": dict(p.assignment),
-                                "predicted_sqnr_db": _finite(p.predicted_sqnr_db)} for n, p in plans.items()},
+                                "predicted_sqnr_db": _finite(p.predicted_sqnr_db),
+                                "predicted_loss_delta": _finite(p.predicted_loss_delta)}
+                            for n, p in plans.items()},
                    calibration_seconds=round(time.perf_counter() - t0, 1))
         dump()
         t0 = time.perf_counter()

@@ -3,11 +3,14 @@
 Oracles: brute-force enumeration of every assignment for the knapsack solver; bit counts written out from the
 OCP MX v1.0 and NVFP4 layouts (k elements share one 8-bit scale; NVFP4 adds one float32 per tensor); the
 plan's own assignment for which module ``lowprec.convert`` gives which recipe; ``Recipe`` JSON/TOML parsing for
-the round trip; the run store read back for the run that ``lowprec run`` makes from the written config.
+the round trip; the run store read back for the run that ``lowprec run`` makes from the written config; for the
+training probe, a recording stand-in trainer (which recipe was trained with which seed) and, end to end, the final
+eval losses of the probe runs read back from the run store.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from pathlib import Path
@@ -22,9 +25,11 @@ from lowprec.nn import EmulatedLinear
 from lowprec.numerics._autoprecision import (
     bits_per_element,
     choose_precision,
+    probe_recipe,
     solve_budget,
     storage_bits,
     training_linear,
+    training_probe,
     uniform_plan,
 )
 from lowprec.numerics._sensitivity import LayerSensitivity, resolve_candidate
@@ -167,3 +172,105 @@ def test_cli_writes_a_recipe_that_lowprec_run_accepts(tmp_path: Path, capsys: py
     assert "budget_bits=3.0 is below the cheapest mix" in capsys.readouterr().err
     assert main(["autoprecision", str(cfg), "--budget-bits", "5", "--out", "x.yaml"]) == 2
     assert "'x.yaml' must end in .toml or .json" in capsys.readouterr().err
+
+
+# ================================================================================================ training probe
+def test_training_probe_trains_each_group_alone_with_paired_seeds() -> None:
+    """Oracle: a recording stand-in trainer: one float32 run per seed, one run per (quantized row, seed) whose
+    recipe overrides exactly the row's modules with training_linear(spec); probe_delta is the mean paired
+    difference, written out."""
+    shapes = {"a": (64, 64), "b": (32, 64)}
+    table = [LayerSensitivity(name="ab", modules=("a", "b"), shapes=(shapes["a"], shapes["b"]), spec=s,
+                              sqnr_db=20.0, loss=0.0, loss_delta=0.0) for s in ("mxfp4", "mxfp4/b64", "float32")]
+    calls: list[tuple[object, int]] = []
+
+    def fake_loss(recipe: Recipe | None, seed: int) -> float:
+        calls.append((recipe, seed))
+        if recipe is None:
+            return 1.0 + seed
+        assert recipe.linear == training_linear(None)  # every other linear float32
+        ((pa, lin), (pb, lin_b)) = recipe.overrides
+        assert (pa, pb) == ("a", "b") and lin == lin_b
+        return 1.0 + seed + {4.25: 0.5, 4.125: 0.25}[bits_per_element(lin.forward.a.spec, (64, 64))] * (seed + 1)
+
+    rows = training_probe(table, fake_loss, seeds=[7, 8])
+    assert [r.probe_delta for r in rows] == [pytest.approx((0.5 * 8 + 0.5 * 9) / 2),
+                                             pytest.approx((0.25 * 8 + 0.25 * 9) / 2), 0.0]
+    assert [(None if r is None else r.name, s) for r, s in calls] == [
+        (None, 7), (None, 8), ("probe ab mxfp4", 7), ("probe ab mxfp4", 8), ("probe ab mxfp4/b64", 7),
+        ("probe ab mxfp4/b64", 8)]  # the float32 row is not trained
+    assert probe_recipe(table[1]).overrides[0][1] == training_linear(
+        QuantSpec(elem="float4_e2m1fn", scaling="block", block_size=64, scale_format="float8_e8m0fnu",
+                  scale_rounding="floor"))
+    assert [r.sqnr_db for r in rows] == [20.0] * 3  # the rest of the row is kept
+    assert LayerSensitivity.from_dict(rows[0].to_dict()) == rows[0]
+    with pytest.raises(ValueError, match="at least one probe seed"):
+        training_probe(table, fake_loss, seeds=[])
+
+
+def test_probe_metric_minimises_the_summed_loss_change_within_budget() -> None:
+    """Oracle: brute force over the 4^3 assignments minimising the summed probe_delta under the budget, where the
+    output SQNR would choose differently."""
+    specs = ["mxfp4/b128", "mxfp4", "nvfp4", "mxfp6_e2m3"]
+    shapes = {"l0": (128, 64), "l1": (128, 128), "head": (10, 128)}
+    table = _table({(g, s): 1e-2 for g in shapes for s in specs}, shapes)
+    rng = random.Random(3)
+    for budget in (4.2, 4.25, 4.5, 5.0):
+        deltas = {(r.name, r.spec): rng.uniform(-0.01, 0.03) for r in table}
+        probed = [dataclasses.replace(r, probe_delta=deltas[(r.name, r.spec)]) for r in table]
+        plan = choose_precision(probed, budget_bits=budget, metric="probe")
+        elements = sum(a * b for a, b in shapes.values())
+        feasible = [(sum(deltas[(g, s)] for g, s in zip(shapes, combo, strict=True)), combo)
+                    for combo in itertools.product(specs, repeat=3)
+                    if sum(storage_bits(resolve_candidate(s)[1], shapes[g])
+                           for g, s in zip(shapes, combo, strict=True)) <= budget * elements]
+        best = min(feasible)
+        assert plan.exact and plan.metric == "probe" and plan.average_bits <= budget
+        assert plan.predicted_loss_delta == pytest.approx(best[0], rel=1e-12)
+        assert sum(deltas[(g, plan.spec_of(g))] for g in shapes) == pytest.approx(best[0], rel=1e-12)
+    with pytest.raises(ValueError, match="has no probe_delta: run training_probe"):
+        choose_precision(table, budget_bits=4.5, metric="probe")
+    with pytest.raises(ValueError, match="metric must be one of sqnr, probe"):
+        choose_precision(table, budget_bits=4.5, metric="grad")
+
+
+def test_cli_probe_metric_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Oracle: the probe runs' final eval losses read back from the run store (one float32 run per seed, one run
+    per quantized row and seed, each overriding only its layer), the probe deltas recomputed from them, and brute
+    force over the stored table for the chosen plan (average bits within the budget)."""
+    cfg = tmp_path / "mlp.toml"
+    cfg.write_text(f'model = "mlp-digits"\nseed = 0\nsteps = 6\nbatch_size = 16\nthreads = 1\n'
+                   f'store = "{tmp_path / "runs.db"}"\n[model_options]\nhidden = 32\n', encoding="utf-8")
+    cands = ["mxfp4/b128", "mxfp4", "nvfp4"]
+    assert main(["autoprecision", str(cfg), "--budget-bits", "4.25", "--batches", "2", "--quiet", "--metric",
+                 "probe", "--probe-steps", "3", "--probe-seeds", "2", "--candidates", ",".join(cands)]) == 0
+    out = capsys.readouterr().out
+    assert "minimising probe" in out and "predicted probe loss change" in out
+    with RunStore(tmp_path / "runs.db") as store:
+        (cal,) = store.list_runs(group="calibration/mlp-digits")
+        (event,) = store.events(cal.run_id, kind="autoprecision")
+        probes = store.list_runs(group="probe/mlp-digits")
+        final = {}
+        for r in probes:
+            rec = Recipe.from_dict(r.config["recipe"])
+            key = (rec.name, int(r.manifest["seed"]))
+            assert key not in final and r.config["steps"] == 3
+            final[key] = float(store.scalars(r.run_id)["eval/loss"][1][-1])
+    table = [LayerSensitivity.from_dict(d) for d in event["payload"]["table"]]
+    assert len(probes) == 2 * (1 + len(table)) and {s for _, s in final} == {0, 1}
+    for row in table:
+        deltas = [final[(f"probe {row.name} {row.spec}", s)] - final[("fp32", s)] for s in (0, 1)]
+        assert row.probe_delta == pytest.approx(sum(deltas) / 2, abs=1e-12)
+    plan = event["payload"]["plan"]
+    groups = list(dict.fromkeys(r.name for r in table))
+    by = {(r.name, r.spec): r for r in table}
+    elements = sum(by[(g, cands[0])].params for g in groups)
+
+    def bits(combo: tuple[str, ...]) -> int:
+        return sum(storage_bits(resolve_candidate(s)[1], sh) for g, s in zip(groups, combo, strict=True)
+                   for sh in by[(g, s)].shapes)
+
+    best = min((sum(by[(g, s)].probe_delta for g, s in zip(groups, combo, strict=True)), combo)
+               for combo in itertools.product(cands, repeat=len(groups)) if bits(combo) <= 4.25 * elements)
+    assert plan["metric"] == "probe" and plan["average_bits"] <= 4.25
+    assert plan["predicted_loss_delta"] == pytest.approx(best[0], abs=1e-12)

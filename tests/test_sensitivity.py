@@ -104,6 +104,23 @@ def test_a_group_is_quantized_together_and_the_model_is_left_alone() -> None:
         assert torch.equal(v, before[k])
 
 
+def test_block_size_variants_of_named_block_specs() -> None:
+    """Oracle: the QuantSpec written out field by field (OCP MX layout with another block size) and the bits per
+    element counted by hand (4 + 8/64, 4 + 8/128; NVFP4 with blocks of 32: 4 + 8/32 + 32/(32*32))."""
+    from lowprec.numerics._autoprecision import bits_per_element
+
+    label, spec = resolve_candidate("mxfp4/b64")
+    assert label == "mxfp4/b64" and spec == QuantSpec(elem="float4_e2m1fn", scaling="block", block_size=64,
+                                                       scale_format="float8_e8m0fnu", scale_rounding="floor")
+    assert resolve_candidate("mxfp4/b32") == ("mxfp4", QuantSpec.named("mxfp4"))
+    assert bits_per_element("mxfp4/b64", (128, 128)) == 4 + 8 / 64
+    assert bits_per_element("mxfp4/b128", (128, 128)) == 4 + 8 / 128
+    assert bits_per_element("nvfp4/b32", (32, 32)) == 4 + 8 / 32 + 32 / 1024
+    for bad in ("mxfp4/b0", "mxfp4/bx", "fp8_e4m3_tensorwise/b64"):
+        with pytest.raises(ValueError, match="block size after '/b'|unknown spec"):
+            resolve_candidate(bad)
+
+
 def test_grouping_by_name_prefix() -> None:
     """Oracle: the expected groupings written out."""
     names = ["blocks.0.attn.qkv", "blocks.0.mlp.fc", "blocks.1.attn.qkv", "lm_head"]
@@ -168,6 +185,8 @@ def test_cli_prints_a_ranked_table_and_stores_it(tmp_path: Path, capsys: pytest.
     (["--spec", "mxfp4", "--batches", "0"], "--batches must be >= 1"),
     (["--spec", "mxfp4", "--calib-steps", "0"], "--calib-steps must be >= 1"),
     (["--spec", "mxfp4", "--group-by", "rows"], "--group-by: group_by must be one of layer, block"),
+    (["--spec", "mxfp4", "--metric", "probe", "--probe-steps", "0"], "--probe-steps must be >= 1"),
+    (["--spec", "mxfp4", "--metric", "probe", "--probe-seeds", "0"], "--probe-seeds must be >= 1"),
 ])
 def test_cli_bad_flags_exit_2_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               flags: list[str], message: str) -> None:

@@ -33,6 +33,8 @@ class Calibrated:
     run_id: str
     steps: int
     seed: int
+    config: RunConfig | None = None
+    """The run config the model was trained with (for training probes)."""
 
 
 def calibrate(config: RunConfig, *, store: Any, seed: int, steps: int | None = None,
@@ -73,12 +75,53 @@ def load_trained(store: Any, run_id: str) -> Calibrated:
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.to(torch.float32)
-    return Calibrated(model=model, task=task, run_id=rec.run_id, steps=step, seed=seed)
+    return Calibrated(model=model, task=task, run_id=rec.run_id, steps=step, seed=seed, config=config)
 
 
 def eval_batches(cal: Calibrated, n: int) -> list[Any]:
     """The task's training batches of steps ``cal.steps .. cal.steps + n - 1`` (not yet trained on in order)."""
     return [cal.task.train_batch(cal.steps + i) for i in range(n)]
+
+
+def final_loss(store: Any, run_id: str) -> float:
+    """The last ``eval/loss`` of a stored run (the task's final evaluation loss)."""
+    scalars = store.scalars(run_id)
+    if "eval/loss" not in scalars:
+        raise ValueError(f"run {run_id} recorded no eval/loss: the training probe needs a task with an evaluation")
+    return float(scalars["eval/loss"][1][-1])
+
+
+def probe_trainer(config: RunConfig, *, store: Any, steps: int | None = None,
+                  progress: bool = False) -> Any:
+    """``train_loss(recipe, seed) -> float`` for ``lowprec.numerics.training_probe``: train ``config`` from
+    initialisation with ``recipe`` (None: float32) for ``steps`` (default: the config's) with ``seed``, recorded in
+    the store in group ``probe/<model>``, and return the final eval loss."""
+    from . import recipes
+    from .runs._runner import train
+
+    def train_loss(recipe: Any, seed: int) -> float:
+        rec = recipe if recipe is not None else recipes.get("fp32")
+        cfg = dataclasses.replace(config, recipe=rec, steps=steps or config.steps, seeds=(seed,),
+                                  group=f"probe/{config.model}", name=f"{config.model} {rec.name}")
+        return final_loss(store, train(cfg, seed=seed, store=store, progress=progress))
+
+    return train_loss
+
+
+def _probe(args: argparse.Namespace, store: Any, cal: Calibrated, table: list[Any]) -> list[Any]:
+    """The table with probe deltas when ``--metric probe`` (seeds from the calibration seed on)."""
+    if args.metric != "probe":
+        return table
+    from .numerics._autoprecision import training_probe
+
+    if cal.config is None:
+        raise ValueError("the training probe needs the run config of the calibration run")
+    config = dataclasses.replace(cal.config, store=str(store.path))
+    if config.parallel.strategy != "single":
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, strategy="single",
+                                                                           world_size=1, mesh_shape=None))
+    trainer = probe_trainer(config, store=store, steps=args.probe_steps, progress=not args.quiet)
+    return training_probe(table, trainer, seeds=[cal.seed + i for i in range(args.probe_seeds)])
 
 
 def _group_by(value: str) -> str | int:
@@ -92,6 +135,10 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, Calibrated]:
         raise ValueError(f"--batches must be >= 1; got {args.batches}")
     if args.calib_steps is not None and args.calib_steps < 1:
         raise ValueError(f"--calib-steps must be >= 1; got {args.calib_steps}")
+    if args.probe_steps is not None and args.probe_steps < 1:
+        raise ValueError(f"--probe-steps must be >= 1; got {args.probe_steps}")
+    if args.probe_seeds < 1:
+        raise ValueError(f"--probe-seeds must be >= 1; got {args.probe_seeds}")
     from .numerics._sensitivity import group_layers
 
     try:
@@ -119,25 +166,28 @@ def _fmt(v: float, spec: str = ".2f") -> str:
 
 
 def cmd_sensitivity(args: argparse.Namespace) -> int:
-    from .numerics._sensitivity import layer_sensitivity, resolve_candidate
+    from .numerics._sensitivity import layer_sensitivity, ranked, resolve_candidate
 
     resolve_candidate(args.spec)  # a bad --spec fails before training
     store, cal = _prepare(args)
     with store:
         rows = layer_sensitivity(cal.model, eval_batches(cal, args.batches), cal.task.loss_fn, args.spec,
                                  groups=_group_by(args.group_by))
-        payload = {"spec": args.spec, "group_by": args.group_by, "batches": args.batches,
-                   "rows": [r.to_dict() for r in rows]}
+        rows = ranked(_probe(args, store, cal, rows), args.metric)
+        payload = {"spec": args.spec, "group_by": args.group_by, "batches": args.batches, "metric": args.metric,
+                   **_probe_info(args), "rows": [r.to_dict() for r in rows]}
         store.add_event(cal.run_id, step=cal.steps, kind="sensitivity", payload=payload)
     if args.json:
         print(json.dumps({"run_id": cal.run_id, **payload}, indent=2))
         return 0
     print(f"sensitivity to {args.spec} of {cal.task.name} (float32 run {cal.run_id}, {cal.steps} steps, seed "
           f"{cal.seed}; {args.batches} evaluation batches), most sensitive first")
-    print(f"{'rank':>4}  {'group':<28}{'modules':>8}{'params':>10}{'SQNR dB':>10}{'loss delta':>13}")
+    probe = args.metric == "probe"
+    print(f"{'rank':>4}  {'group':<28}{'modules':>8}{'params':>10}{'SQNR dB':>10}{'loss delta':>13}"
+          + (f"{'probe delta':>13}" if probe else ""))
     for i, r in enumerate(rows, 1):
         print(f"{i:>4}  {r.name:<28}{len(r.modules):>8}{r.params:>10}{_fmt(r.sqnr_db):>10}"
-              f"{_fmt(r.loss_delta, '+.3g'):>13}")
+              f"{_fmt(r.loss_delta, '+.3g'):>13}" + (f"{_fmt(r.probe_delta, '+.3g'):>13}" if probe else ""))
     print(f"stored as event 'sensitivity' of run {cal.run_id}")
     return 0
 
@@ -175,24 +225,33 @@ def cmd_autoprecision(args: argparse.Namespace) -> int:
     with store:
         table = sensitivity_table(cal.model, eval_batches(cal, args.batches), cal.task.loss_fn, labels,
                                   groups=_group_by(args.group_by))
-        plan = choose_precision(table, budget_bits=args.budget_bits)
+        table = _probe(args, store, cal, table)
+        plan = choose_precision(table, budget_bits=args.budget_bits, metric=args.metric)
         recipe = plan.to_recipe(name=args.name)
         store.add_event(cal.run_id, step=cal.steps, kind="autoprecision",
                         payload={"candidates": labels, "group_by": args.group_by, "batches": args.batches,
-                                 "plan": plan.to_dict(), "table": [r.to_dict() for r in table],
-                                 "recipe": recipe.to_dict()})
+                                 "metric": args.metric, **_probe_info(args), "plan": plan.to_dict(),
+                                 "table": [r.to_dict() for r in table], "recipe": recipe.to_dict()})
     print(f"autoprecision for {cal.task.name} (float32 run {cal.run_id}, {cal.steps} steps): budget "
           f"{args.budget_bits:g} bits per weight element, candidates {', '.join(labels)}")
-    print(f"  {'group':<28}{'spec':<14}{'params':>10}{'bits':>8}{'SQNR dB':>10}")
+    probe = args.metric == "probe"
+    print(f"  {'group':<28}{'spec':<14}{'params':>10}{'bits':>8}{'SQNR dB':>10}"
+          + (f"{'probe delta':>13}" if probe else ""))
     for row in plan_table(plan, table):
         print(f"  {row['group']:<28}{row['spec']:<14}{row['params']:>10}{row['bits']:>8.3f}"
-              f"{_fmt(row['sqnr_db']):>10}")
+              f"{_fmt(row['sqnr_db']):>10}" + (f"{_fmt(row['probe_delta'], '+.3g'):>13}" if probe else ""))
     print(f"average {plan.average_bits:.4f} bits per weight element; predicted output SQNR "
-          f"{_fmt(plan.predicted_sqnr_db)} dB ({'exact optimum' if plan.exact else 'greedy'})")
+          f"{_fmt(plan.predicted_sqnr_db)} dB" + (f", predicted probe loss change {plan.predicted_loss_delta:+.4g}"
+                                                 if probe else "")
+          + f" ({'exact optimum' if plan.exact else 'greedy'}, minimising {args.metric})")
     for path in _write_outputs(args, recipe):
         print(f"wrote {path}")
     print(f"stored as event 'autoprecision' of run {cal.run_id}")
     return 0
+
+
+def _probe_info(args: argparse.Namespace) -> dict[str, Any]:
+    return {"probe_steps": args.probe_steps, "probe_seeds": args.probe_seeds} if args.metric == "probe" else {}
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -203,6 +262,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, default=4, metavar="N", help="evaluation batches (default 4)")
     p.add_argument("--group-by", default="layer", metavar="HOW",
                    help="layer (default), block (name up to its first number, e.g. blocks.0), or a name depth")
+    p.add_argument("--metric", choices=("sqnr", "probe"), default="sqnr",
+                   help="sqnr (default): forward output SQNR of the trained model, no training; probe: also train "
+                        "one run per (layer group, spec, probe seed) from initialisation with only that group "
+                        "quantized as in training (backward GEMMs too) and use the final eval loss change")
+    p.add_argument("--probe-steps", type=int, metavar="N", help="steps of each probe run (default: the config's)")
+    p.add_argument("--probe-seeds", type=int, default=1, metavar="N",
+                   help="probe seeds: the calibration seed and the next N-1 (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_store_arg(p)
 

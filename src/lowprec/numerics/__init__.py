@@ -6,9 +6,11 @@ bits budget."""
 from ._autoprecision import PrecisionPlan as PrecisionPlan
 from ._autoprecision import bits_per_element as bits_per_element
 from ._autoprecision import choose_precision as choose_precision
+from ._autoprecision import probe_recipe as probe_recipe
 from ._autoprecision import solve_budget as solve_budget
 from ._autoprecision import storage_bits as storage_bits
 from ._autoprecision import training_linear as training_linear
+from ._autoprecision import training_probe as training_probe
 from ._autoprecision import uniform_plan as uniform_plan
 
 from ._fallback import FallbackController as FallbackController
@@ -41,6 +43,7 @@ __all__ = [
     "layer_sensitivity",
     "localize_nonfinite",
     "nonfinite_summary",
+    "probe_recipe",
     "records_from_scalars",
     "resolve_candidate",
     "sensitivity_table",
@@ -48,6 +51,7 @@ __all__ = [
     "storage_bits",
     "tensor_stats",
     "training_linear",
+    "training_probe",
     "uniform_plan",
     "worst_layers",
 ]

@@ -35,12 +35,12 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..quant import QuantSpec
 from ..recipes import Gemm, LinearRecipe, Operand, Recipe
-from ._sensitivity import LayerSensitivity, resolve_candidate
+from ._sensitivity import METRICS, LayerSensitivity, resolve_candidate
 
 
 def storage_bits(spec: QuantSpec | None, shape: tuple[int, int]) -> int:
@@ -107,6 +107,12 @@ class PrecisionPlan:
     """``-10 log10(sum of the chosen groups' noise powers)`` (inf when every choice is exact)."""
     exact: bool
     """True when the Pareto solver ran to completion (the optimum of the model); False after greedy fallback."""
+    metric: str = "sqnr"
+    """What the plan minimises: "sqnr" (the summed output noise powers) or "probe" (the summed training-probe loss
+    changes, ``LayerSensitivity.probe_delta``)."""
+    predicted_loss_delta: float = math.nan
+    """Sum of the chosen rows' ``probe_delta`` (the additive prediction of the training loss change); NaN when the
+    table has no probe."""
 
     def spec_of(self, group: str) -> str:
         """The spec label chosen for ``group``."""
@@ -127,7 +133,9 @@ class PrecisionPlan:
         return {"assignment": [list(a) for a in self.assignment],
                 "modules": [[g, list(m)] for g, m in self.modules], "budget_bits": self.budget_bits,
                 "average_bits": self.average_bits, "predicted_sqnr_db": repr(self.predicted_sqnr_db)
-                if not math.isfinite(self.predicted_sqnr_db) else self.predicted_sqnr_db, "exact": self.exact}
+                if not math.isfinite(self.predicted_sqnr_db) else self.predicted_sqnr_db, "exact": self.exact,
+                "metric": self.metric, "predicted_loss_delta": self.predicted_loss_delta
+                if math.isfinite(self.predicted_loss_delta) else repr(self.predicted_loss_delta)}
 
 
 def solve_budget(values: Sequence[Sequence[float]], costs: Sequence[Sequence[int]], capacity: int, *,
@@ -179,13 +187,17 @@ def _greedy(values: Sequence[Sequence[float]], costs: Sequence[Sequence[int]], c
 
 
 def choose_precision(table: Sequence[LayerSensitivity], *, budget_bits: float,
-                     candidates: Sequence[str] | None = None, max_states: int = 100_000) -> PrecisionPlan:
+                     candidates: Sequence[str] | None = None, max_states: int = 100_000,
+                     metric: str = "sqnr") -> PrecisionPlan:
     """Choose a spec per layer group from a ``sensitivity_table`` to minimise the predicted output noise with an
     average of at most ``budget_bits`` bits per weight element (see the module docstring).
 
     ``candidates`` restricts the specs (labels as in the table; default: every spec in it).  Every group must have
-    a row for every candidate.
+    a row for every candidate.  ``metric`` is what is minimised: "sqnr" (the summed output noise powers, the
+    default) or "probe" (the summed ``probe_delta``: fill them in with ``training_probe`` first).
     """
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
     if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not budget_bits > 0:
         raise ValueError(f"budget_bits must be a positive number of bits per element; got {budget_bits!r}")
     rows: dict[str, dict[str, LayerSensitivity]] = {}
@@ -199,7 +211,7 @@ def choose_precision(table: Sequence[LayerSensitivity], *, budget_bits: float,
         if missing:
             raise ValueError(f"table has no row for group {g!r} with spec(s) {missing}; measure them first")
     groups = list(rows)
-    values = [[rows[g][c].noise for c in labels] for g in groups]
+    values = [[rows[g][c].cost(metric) for c in labels] for g in groups]
     costs = [[sum(storage_bits(resolve_candidate(c)[1], s) for s in rows[g][c].shapes) for c in labels]
              for g in groups]
     elements = sum(rows[g][labels[0]].params for g in groups)
@@ -210,40 +222,47 @@ def choose_precision(table: Sequence[LayerSensitivity], *, budget_bits: float,
         low = sum(min(c) for c in costs) / elements
         raise ValueError(f"budget_bits={budget_bits} is below the cheapest mix of {labels} ({low:.4g} bits per "
                          "element); raise the budget or add a cheaper candidate") from None
-    noise = sum(v[j] for v, j in zip(values, choice, strict=True))
+    chosen = [rows[g][labels[j]] for g, j in zip(groups, choice, strict=True)]
     return PrecisionPlan(
-        assignment=tuple((g, labels[j]) for g, j in zip(groups, choice, strict=True)),
+        assignment=tuple((r.name, r.spec) for r in chosen),
         modules=tuple((g, rows[g][labels[0]].modules) for g in groups),
         budget_bits=float(budget_bits),
         average_bits=sum(c[j] for c, j in zip(costs, choice, strict=True)) / elements,
-        predicted_sqnr_db=math.inf if noise == 0 else -10.0 * math.log10(noise),
+        predicted_sqnr_db=_predicted_sqnr(chosen),
         exact=exact,
+        metric=metric,
+        predicted_loss_delta=sum(r.probe_delta for r in chosen),
     )
 
 
-def uniform_plan(table: Sequence[LayerSensitivity], spec: str) -> PrecisionPlan:
+def _predicted_sqnr(rows: Sequence[LayerSensitivity]) -> float:
+    noise = sum(r.noise for r in rows)
+    return math.inf if noise == 0 else -10.0 * math.log10(noise)
+
+
+def uniform_plan(table: Sequence[LayerSensitivity], spec: str, *, metric: str = "sqnr") -> PrecisionPlan:
     """Every group in ``spec`` (a label present in ``table``): the uniform arm to compare a chosen mix against."""
     rows = [r for r in table if r.spec == spec]
     if not rows:
         raise ValueError(f"table has no rows for spec {spec!r}; it has {sorted({r.spec for r in table})}")
     cost = sum(storage_bits(resolve_candidate(spec)[1], s) for r in rows for s in r.shapes)
     elements = sum(r.params for r in rows)
-    noise = sum(r.noise for r in rows)
     return PrecisionPlan(assignment=tuple((r.name, spec) for r in rows),
                          modules=tuple((r.name, r.modules) for r in rows), budget_bits=cost / elements,
-                         average_bits=cost / elements,
-                         predicted_sqnr_db=math.inf if noise == 0 else -10.0 * math.log10(noise), exact=True)
+                         average_bits=cost / elements, predicted_sqnr_db=_predicted_sqnr(rows), exact=True,
+                         metric=metric, predicted_loss_delta=sum(r.probe_delta for r in rows))
 
 
 def plan_table(plan: PrecisionPlan, table: Sequence[LayerSensitivity]) -> list[dict[str, Any]]:
-    """Per group: chosen spec, weight elements, bits per element and the single-layer SQNR of that choice."""
+    """Per group: chosen spec, weight elements, bits per element, the single-layer SQNR and loss change of that
+    choice and its probe loss change (NaN without a probe)."""
     by = {(r.name, r.spec): r for r in table}
     out = []
     for g, label in plan.assignment:
         r = by[(g, label)]
         bits = sum(storage_bits(resolve_candidate(label)[1], s) for s in r.shapes) / r.params
         out.append({"group": g, "spec": label, "params": r.params, "bits": bits, "sqnr_db": r.sqnr_db,
-                    "loss_delta": r.loss_delta})
+                    "loss_delta": r.loss_delta, "probe_delta": r.probe_delta})
     return out
 
 
@@ -253,3 +272,40 @@ def matches(recipe: Recipe, module: str) -> LinearRecipe | None:
         if fnmatch.fnmatchcase(module, pattern):
             return lin
     return None
+
+
+def probe_recipe(row: LayerSensitivity) -> Recipe | None:
+    """The recipe of ``row``'s training probe: its modules' three GEMMs in its spec as in training
+    (``training_linear``), every other linear float32; None for a float32 row (nothing quantized)."""
+    spec = resolve_candidate(row.spec)[1]
+    if spec is None:
+        return None
+    lin = training_linear(spec)
+    return Recipe(name=f"probe {row.name} {row.spec}", overrides=tuple((_literal(m), lin) for m in row.modules))
+
+
+def training_probe(table: Sequence[LayerSensitivity], train_loss: Callable[[Recipe | None, int], float], *,
+                   seeds: Sequence[int]) -> list[LayerSensitivity]:
+    """``table`` with ``probe_delta`` measured by training: the gradient-aware sensitivity.
+
+    The output SQNR measures a trained model's forward pass; training also quantizes the two backward GEMMs, and
+    their errors (gradient operands with stochastic rounding, block scales of gradients) act on the whole run.
+    The probe measures that directly: for every seed, ``train_loss(None, seed)`` is the final task loss of a
+    float32 training run, and ``train_loss(probe_recipe(row), seed)`` that of the same run with only the row's
+    modules trained in its spec; ``probe_delta`` is the difference averaged over ``seeds``.  Cost: one training
+    run per (row, seed) plus one float32 run per seed.  Same seeds and data for both runs, so the difference is
+    paired; with one or two seeds it is still noisy (stochastic rounding), which is why the judge decides.
+
+    ``train_loss(recipe, seed) -> float`` trains from initialisation (e.g. ``lowprec.runs``' runner with the
+    recipe, a short ``steps``) and returns the final evaluation loss.
+    """
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("seeds must name at least one probe seed")
+    ref = {s: float(train_loss(None, s)) for s in seeds}
+    out = []
+    for row in table:
+        recipe = probe_recipe(row)
+        deltas = [0.0 if recipe is None else float(train_loss(recipe, s)) - ref[s] for s in seeds]
+        out.append(dataclasses.replace(row, probe_delta=sum(deltas) / len(deltas)))
+    return out

@@ -45,6 +45,14 @@ from ._tensor_stats import spec_name
 Batch = tuple[Any, torch.Tensor]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 GROUP_BY = ("layer", "block")
+METRICS = ("sqnr", "probe")
+_FLOATS = ("sqnr_db", "loss", "loss_delta", "probe_delta")
+
+
+def _noise(db: float) -> float:
+    if math.isnan(db):
+        return math.inf
+    return 0.0 if db == math.inf else 10.0 ** (-db / 10.0)
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -66,6 +74,10 @@ class LayerSensitivity:
     """Mean task loss over the evaluation batches with this group quantized."""
     loss_delta: float
     """``loss`` minus the float32 model's loss on the same batches (positive: worse)."""
+    probe_delta: float = math.nan
+    """Training probe (``lowprec.numerics.training_probe``): final task loss of training runs with this group's
+    three GEMMs in ``spec`` as in training (every other layer float32) minus that of float32 runs with the same
+    seeds and steps, averaged over the probe seeds (positive: worse); NaN when not measured."""
 
     @property
     def params(self) -> int:
@@ -75,15 +87,24 @@ class LayerSensitivity:
     @property
     def noise(self) -> float:
         """Relative output noise power ``10^(-sqnr_db / 10)``: additive across layers to first order."""
-        if math.isnan(self.sqnr_db):
-            return math.inf
-        return 0.0 if self.sqnr_db == math.inf else 10.0 ** (-self.sqnr_db / 10.0)
+        return _noise(self.sqnr_db)
+
+    def cost(self, metric: str) -> float:
+        """What ``choose_precision`` adds up and minimises: the relative output noise power ``noise`` ("sqnr") or
+        the probe's loss change ``probe_delta`` ("probe")."""
+        _check_metric(metric)
+        if metric == "sqnr":
+            return self.noise
+        if math.isnan(self.probe_delta):
+            raise ValueError(f"row {self.name!r}/{self.spec} has no probe_delta: run training_probe on the table "
+                             "first (metric 'probe')")
+        return self.probe_delta
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (infinite SQNRs as the strings "inf"/"-inf")."""
         out = dataclasses.asdict(self)
         out["modules"], out["shapes"] = list(self.modules), [list(s) for s in self.shapes]
-        for k in ("sqnr_db", "loss", "loss_delta"):
+        for k in _FLOATS:
             if not math.isfinite(out[k]):
                 out[k] = repr(out[k])
         return out
@@ -94,15 +115,17 @@ class LayerSensitivity:
         kw = dict(data)
         kw["modules"] = tuple(kw["modules"])
         kw["shapes"] = tuple((int(a), int(b)) for a, b in kw["shapes"])
-        for k in ("sqnr_db", "loss", "loss_delta"):
-            kw[k] = float(kw[k])
+        for k in _FLOATS:
+            if k in kw:
+                kw[k] = float(kw[k])
         return cls(**kw)
 
 
 def resolve_candidate(candidate: str | QuantSpec | None) -> tuple[str, QuantSpec | None]:
-    """``(label, spec)`` for a spec name (``QuantSpec.names()``), an element format name applied elementwise
-    (``"bfloat16"``, alias ``"bf16"``; round to nearest, no scaling), ``"float32"``/``None`` (not quantized), or a
-    ``QuantSpec``.  ValueError lists what is accepted."""
+    """``(label, spec)`` for a spec name (``QuantSpec.names()``), a block spec name with another block size
+    (``"mxfp4/b64"``: mxfp4 with one E8M0 scale per 64 elements, 4.125 bits), an element format name applied
+    elementwise (``"bfloat16"``, alias ``"bf16"``; round to nearest, no scaling), ``"float32"``/``None`` (not
+    quantized), or a ``QuantSpec``.  ValueError lists what is accepted."""
     if candidate is None:
         return "float32", None
     if isinstance(candidate, QuantSpec):
@@ -111,12 +134,20 @@ def resolve_candidate(candidate: str | QuantSpec | None) -> tuple[str, QuantSpec
         raise ValueError(f"spec must be a QuantSpec or a name; got {type(candidate).__name__}")
     if candidate in QuantSpec.names():
         return candidate, QuantSpec.named(candidate)
+    base, sep, block = candidate.partition("/b")
+    if sep and base in QuantSpec.names() and QuantSpec.named(base).scaling == "block":
+        if not block.isdigit() or int(block) < 1:
+            raise ValueError(f"spec {candidate!r}: the block size after '/b' must be a positive int, e.g. {base}/b64")
+        if int(block) == QuantSpec.named(base).block_size:
+            return base, QuantSpec.named(base)
+        return f"{base}/b{int(block)}", dataclasses.replace(QuantSpec.named(base), block_size=int(block))
     name = _ALIASES.get(candidate, candidate)
     if name == "float32":
         return "float32", None
     if name in formats.names() and formats.get(name).kind == "float" and formats.get(name).signed:
         return name, QuantSpec(elem=name, scaling="none", saturate=False)
-    raise ValueError(f"unknown spec {candidate!r}: use a spec name ({', '.join(QuantSpec.names())}), an element "
+    raise ValueError(f"unknown spec {candidate!r}: use a spec name ({', '.join(QuantSpec.names())}), a block spec "
+                     "with another block size (mxfp4/b64), an element "
                      "format applied elementwise (bfloat16 or bf16, float16, float8_e4m3fn, ...), or float32")
 
 
@@ -203,8 +234,8 @@ class _Probe:
         finally:
             unconvert(self.model)
         shapes = tuple((int(self.shapes[m][0]), int(self.shapes[m][1])) for m in modules)
-        return LayerSensitivity(name=name, modules=modules, shapes=shapes, spec=label, sqnr_db=_sqnr_db(self.ref, outs), loss=loss,
-                                loss_delta=loss - self.ref_loss)
+        return LayerSensitivity(name=name, modules=modules, shapes=shapes, spec=label,
+                                sqnr_db=_sqnr_db(self.ref, outs), loss=loss, loss_delta=loss - self.ref_loss)
 
 
 def _groups(model: nn.Module, groups: Mapping[str, Sequence[str]] | str | int | None) -> dict[str, tuple[str, ...]]:
@@ -223,7 +254,15 @@ def _groups(model: nn.Module, groups: Mapping[str, Sequence[str]] | str | int | 
     return resolved
 
 
-def _ranked(rows: list[LayerSensitivity]) -> list[LayerSensitivity]:
+def _check_metric(metric: str) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
+
+
+def _ranked(rows: list[LayerSensitivity], metric: str = "sqnr") -> list[LayerSensitivity]:
+    _check_metric(metric)
+    if metric == "probe":
+        return sorted(rows, key=lambda r: (-r.cost("probe"), r.sqnr_db, r.name))
     return sorted(rows, key=lambda r: (r.sqnr_db, -r.loss_delta, r.name))
 
 
@@ -262,7 +301,8 @@ def layer_sensitivity(model: nn.Module, batches: Sequence[Batch], loss_fn: LossF
     return _ranked(sensitivity_table(model, batches, loss_fn, [spec], groups=groups))
 
 
-def ranked(rows: Iterable[LayerSensitivity]) -> list[LayerSensitivity]:
-    """``rows`` most sensitive first (lowest SQNR, then largest loss change)."""
-    return _ranked(list(rows))
+def ranked(rows: Iterable[LayerSensitivity], metric: str = "sqnr") -> list[LayerSensitivity]:
+    """``rows`` most sensitive first: "sqnr" lowest output SQNR, then largest loss change; "probe" largest
+    ``probe_delta``, then lowest output SQNR."""
+    return _ranked(list(rows), metric)
 
