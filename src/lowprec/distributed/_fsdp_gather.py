@@ -110,8 +110,12 @@ class LowpGatherWeight(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"LowpGatherWeight({self._spec.format.name}, scaling={self._spec.scaling}, {self._tensor!r})"
 
+    # torch's stub declares Tensor.__torch_dispatch__ as a plain function attribute (mypy binds ``func`` as self);
+    # the documented protocol for subclasses is this classmethod.
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         meta: list[tuple[QuantSpec, GatherStats]] = []
 
         def unwrap(t: LowpGatherWeight) -> torch.Tensor:

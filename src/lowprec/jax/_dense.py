@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from .. import formats
 from ..quant._random_py import stream_seed
 from ..recipes import Gemm, LinearRecipe, Operand
-from ..recipes._recipe import GEMMS, OPERAND_ROLE, shares_quantization
+from ..recipes._recipe import GEMMS as GEMMS  # re-exported: tests/test_jax_train.py reads _dense.GEMMS
+from ..recipes._recipe import OPERAND_ROLE, shares_quantization
 from . import _random
 from ._accum import accumulate_matmul
 from ._bits import INF, bits, f32

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
 from .. import formats, recipes
 from ..quant._random_py import stream_seed
 from ..quant._spec import QuantSpec
@@ -45,7 +46,7 @@ class LowPrecisionState(NamedTuple):
     """The wrapped optax transformation's state."""
     compensation: Any
     """Kahan compensation per parameter (a pytree like the parameters), or None."""
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count on purpose: optax's state field name
     """Steps taken (int32), PyTorch's ``LowPrecisionOptimizer.steps``."""
 
 
@@ -139,7 +140,7 @@ class LowPrecisionOptimizer:
             if keys is None:
                 raise ValueError("Weights.update='stochastic' needs keys=opt.step_keys(step)")
             leaves, tree = jax.tree_util.tree_flatten(after)
-            new = tree.unflatten([self._stochastic(a, keys[i]) for i, a in enumerate(leaves)])
+            new = jax.tree_util.tree_unflatten(tree, [self._stochastic(a, keys[i]) for i, a in enumerate(leaves)])
         elif self.update_kind == "kahan":
             pairs = jax.tree_util.tree_map(self._kahan, params, after, comp)
             new = jax.tree_util.tree_map(lambda _, pr: pr[0], params, pairs)

@@ -118,8 +118,8 @@ def compressed_mean(grads: Any, grad_comm: GradComm | None, *, axis_name: str, r
         for x in leaves:
             parts.append(r_flat[start:start + x.size].reshape(x.shape))
             start += x.size
-        new_residual = tree.unflatten(parts)
-    return tree.unflatten(out), new_residual
+        new_residual = jax.tree_util.tree_unflatten(tree, parts)
+    return jax.tree_util.tree_unflatten(tree, out), new_residual
 
 
 def data_parallel(

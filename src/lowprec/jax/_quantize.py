@@ -60,7 +60,10 @@ def stochastic_args(
 def _kernel(
     x: jax.Array, keys: jax.Array | None, off: jax.Array | None, *, fmt: FormatSpec, rounding: str, saturate: bool
 ) -> jax.Array:
-    rbits = None if keys is None else _random.random_bits(keys, off, x.shape)
+    rbits = None
+    if keys is not None:
+        assert off is not None  # stochastic_args returns keys and offset together
+        rbits = _random.random_bits(keys, off, x.shape)
     y = quantize_f32(x.astype(jnp.float32), fmt, rounding=rounding, saturate=saturate, rbits=rbits)
     return y.astype(x.dtype)
 

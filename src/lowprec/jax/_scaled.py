@@ -24,7 +24,7 @@ from ..quant._scale_rules import uses_multiplier
 from ..quant._spec import QuantSpec
 from ..quant._spec_args import _resolve  # the same validation and message as the PyTorch side
 from . import _codec, _groups, _random
-from ._bits import ABS, bits, const_bits, div_mag, f32, mul_fast, mul_mag, div_fast
+from ._bits import ABS, bits, const_bits, div_fast, div_mag, f32, mul_fast, mul_mag
 from ._quantize import check_array, stochastic_args
 from ._round import quantize_f32
 from ._scale import group_scale, tensor_scale_from_amax

@@ -310,11 +310,13 @@ class EmulatedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         keys = None
         if self._stochastic:
+            step = self.lp_step
+            assert isinstance(step, torch.Tensor)  # a buffer, registered in __init__ whenever _stochastic
             if self.training:  # eval reuses the current step's streams: it never advances training state
                 with torch.no_grad():
-                    self.lp_step += 1
-            dev = self.lp_step.device
-            keys = {k: _random.derive_keys(base.to(dev), self.lp_step) for k, base in self._base_keys.items()}
+                    step += 1  # in place: advances the lp_step buffer itself
+            dev = step.device
+            keys = {k: _random.derive_keys(base.to(dev), step) for k, base in self._base_keys.items()}
         return _LinearFn.apply(x, self.weight, self.bias, _Ctx(self, keys))  # type: ignore[no-any-return]
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

@@ -88,8 +88,8 @@ def verify(path: Path) -> None:
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """Collective: load ``path`` into the (sharded) ``model`` and ``optimizer``; returns the extra state."""
-    state = {"model": get_model_state_dict(model),
-             "optim": get_optimizer_state_dict(model, optimizer.optimizer)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model),
+                             "optim": get_optimizer_state_dict(model, optimizer.optimizer)}
     single = not dist.is_initialized()
     with warnings.catch_warnings():  # DCP warns on every single-process load, which is what resuming 2 -> 1 is
         if single:

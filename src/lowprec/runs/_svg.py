@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 _ids = itertools.count()
@@ -67,10 +68,10 @@ class _Frame:
         self.x0, self.x1 = x if x[1] > x[0] else (x[0] - 0.5, x[0] + 0.5)
         self.y0, self.y1 = y if y[1] > y[0] else (y[0] - 0.5, y[0] + 0.5)
 
-    def px(self, x: np.ndarray) -> np.ndarray:
+    def px(self, x: npt.ArrayLike) -> np.ndarray:
         return self.l + (np.asarray(x, dtype=np.float64) - self.x0) / (self.x1 - self.x0) * (self.r - self.l)
 
-    def py(self, y: np.ndarray) -> np.ndarray:
+    def py(self, y: npt.ArrayLike) -> np.ndarray:
         return self.b - (np.asarray(y, dtype=np.float64) - self.y0) / (self.y1 - self.y0) * (self.b - self.t)
 
 
@@ -131,9 +132,9 @@ def line_chart(*, lines: Sequence[Line], bands: Sequence[Band] = (), title: str,
     fx, fy = fx[np.isfinite(fx)], fy[np.isfinite(fy)]
     xr = (float(fx.min()), float(fx.max())) if fx.size else (0.0, 1.0)
     if y_range is None:
-        lo, hi = (float(fy.min()), float(fy.max())) if fy.size else (0.0, 1.0)
-        pad = 0.05 * (hi - lo or abs(hi) or 1.0)
-        y_range = (lo - pad, hi + pad)
+        y_lo, y_hi = (float(fy.min()), float(fy.max())) if fy.size else (0.0, 1.0)
+        pad = 0.05 * (y_hi - y_lo or abs(y_hi) or 1.0)
+        y_range = (y_lo - pad, y_hi + pad)
     f = _Frame(width, height, xr, y_range)
     clip = f"clip{next(_ids)}"
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -202,7 +203,7 @@ def _ramp(t: float) -> str:
         if t <= t1:
             u = 0.0 if t1 == t0 else (t - t0) / (t1 - t0)
             return "#" + "".join(f"{round(a + (b - a) * u):02x}" for a, b in zip(c0, c1, strict=True))
-    return "#%02x%02x%02x" % stops[-1][1]
+    return "#{:02x}{:02x}{:02x}".format(*stops[-1][1])
 
 
 def heatmap(*, rows: Sequence[str], cols: Sequence[int], values: np.ndarray, title: str, value_label: str,
