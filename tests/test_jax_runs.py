@@ -26,7 +26,7 @@ from lowprec.runs._checkpoint import checkpoint_dir, list_checkpoints
 from lowprec.runs._config import CheckpointConfig, OptimizerConfig, ParallelConfig, RunConfig
 from lowprec.runs._jax_runner import jax_train
 from lowprec.runs._report import write_report
-from lowprec.runs._runner import resume_run, run_config
+from lowprec.runs._runner import resume_run, run_config, train
 from lowprec.runs._store import RunStore
 from lowprec.runs._workflow import judge_groups, run_baseline
 from lowprec.runs.zoo import get_task
@@ -303,3 +303,25 @@ def test_docs_jax_run_config_example_is_valid() -> None:
     (block,) = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
     cfg = RunConfig.from_toml(block, where="docs/jax.md")
     assert cfg.framework == "jax" and cfg.model == "gpt-bytes" and cfg.checkpoint.interval == 100
+
+
+def test_torch_resume_refuses_jax_runs_and_jax_checkpoints(gpt) -> None:
+    """Oracle: the store's record of the framework that wrote a run, and the checkpoint's own ``framework`` field.
+    The PyTorch runner refuses to continue a JAX run, or a PyTorch run whose newest checkpoint a JAX run wrote,
+    with a ValueError naming the fix, before the run's record is touched."""
+    store: RunStore = gpt["store"]
+    jax_id = gpt["jax_fp8"]
+    with pytest.raises(ValueError, match=f"run {jax_id} is a framework = 'jax' run.*--resume {jax_id}"):
+        train(gpt["cfg"], seed=0, store=store, resume=jax_id, progress=False)
+    assert store.get_run(jax_id).status == "completed"
+    torch_id = gpt["baseline"].run_ids[1]
+    jax_ckpt = list_checkpoints(checkpoint_dir(gpt["cfg"].store, jax_id))[-1][1]
+    planted = checkpoint_dir(gpt["cfg"].store, torch_id) / f"step-{GPT_STEPS + 1:08d}.ckpt"
+    planted.write_bytes(jax_ckpt.read_bytes())
+    try:
+        with pytest.raises(ValueError, match="written by a framework = 'jax' run"):
+            resume_run(torch_id, store=store, progress=False)
+    finally:
+        planted.unlink()
+    assert store.get_run(torch_id).status == "completed"
+    assert len(store.scalars(torch_id)["train/loss"][0]) == GPT_STEPS

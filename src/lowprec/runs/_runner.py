@@ -175,6 +175,10 @@ def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore) -> Non
     state: dict[str, Any] | None = None
     if kind == "file":
         state = load_checkpoint(path)
+        if state.get("framework", "torch") != "torch":
+            raise ValueError(f"checkpoint of step {step} of run {run_id} was written by a "
+                             f"framework = {state.get('framework')!r} run; resume it with that framework "
+                             f"(lowprec run --resume {run_id} picks the run's own)")
         if st.fallback is not None:  # swap the fallen-back layers first: their buffers are in the state dict
             st.fallback.load_state_dict(state.get("fallback") or {})
         _load_full_state(st, state["model"], state["optimizer"])
@@ -335,6 +339,12 @@ def _open_run(config: RunConfig, task: Task, st: _State, store: RunStore, *, see
     torchrun worker group finds its run already in the store.  Every rank returns the same run id."""
     w = st.world
     if resume is not None:
+        if w.is_main:
+            record = store.get_run(resume)
+            framework = record.manifest.get("framework", "torch")
+            if framework != "torch":
+                raise ValueError(f"run {record.run_id} is a framework = {framework!r} run: it cannot be resumed as "
+                                 f"framework = \"torch\"; resume it with lowprec run --resume {record.run_id}")
         rid, create = (store.get_run(resume).run_id if w.is_main else None), False
     else:
         exists = w.is_main and run_id is not None and any(r.run_id == run_id for r in store.list_runs())
