@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,12 +47,13 @@ from .. import jax as lj
 from ..nn import EmulatedLinear, convert
 from ..recipes import LinearRecipe, Recipe
 from .zoo._digits import MLP
-from .zoo._text import TinyGPT
+from .zoo._text import Block, TinyGPT
 
 Params = tuple[jax.Array, ...]
 States = tuple[dict[str, jax.Array], ...]
 _HIGHEST = jax.lax.Precision.HIGHEST
-_ACTIVATIONS = {"ReLU": jax.nn.relu, "GELU": functools.partial(jax.nn.gelu, approximate=False)}
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "ReLU": jax.nn.relu, "GELU": functools.partial(jax.nn.gelu, approximate=False)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +127,9 @@ def model_plan(model: nn.Module, recipe: Recipe) -> Plan:
         eps = {m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)}
         if len(eps) != 1:
             raise ValueError(f"framework = 'jax': the GPT's LayerNorms must share one eps; got {sorted(eps)}")
+        heads = {b.attn.heads for b in model.blocks if isinstance(b, Block)}
         return GPTPlan(params=names, linears=_linears(model, recipe), seed=recipe.seed, layers=len(model.blocks),
-                       heads=model.blocks[0].attn.heads, context=model.context, eps=eps.pop())
+                       heads=heads.pop(), context=model.context, eps=eps.pop())
     raise ValueError(f"framework = 'jax' supports the mlp-digits and gpt-bytes tasks; this task's model is "
                      f"{type(model).__name__}: set framework = \"torch\"")
 

@@ -179,9 +179,9 @@ def _unpack(packed: dict[str, Any], like: TrainState, where: str) -> TrainState:
     if packed["treedef"] != str(treedef) or got != want:
         raise ValueError(f"{where} does not match this run's model, recipe and optimizer (its state has another "
                          "structure); resume a run with the config it was started with")
-    return treedef.unflatten(
-        [jnp.asarray(np.frombuffer(b.numpy().tobytes(), dtype=np.asarray(leaf).dtype).reshape(shape))
-         for b, leaf, (_, shape) in zip(packed["bytes"], leaves, got, strict=True)])
+    return jax.tree_util.tree_unflatten(treedef, [
+        jnp.asarray(np.frombuffer(b.numpy().tobytes(), dtype=np.asarray(leaf).dtype).reshape(shape))
+        for b, leaf, (_, shape) in zip(packed["bytes"], leaves, got, strict=True)])
 
 
 def _save(config: RunConfig, run_id: str, step: int, tree: TrainState) -> None:
