@@ -162,6 +162,8 @@ def main() -> int:
                     help="probe seeds: the calibration seed and the next N-1 (default 1)")
     ap.add_argument("--store", help="run store path (default: a temporary directory)")
     ap.add_argument("--out", help="also write the JSON here, rewritten after every arm")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="stop after the sensitivity table (and probe) and the planned arms: no baseline, no arms")
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -204,6 +206,10 @@ def main() -> int:
                             for n, p in plans.items()},
                    calibration_seconds=round(time.perf_counter() - t0, 1))
         dump()
+        if args.plan_only:
+            json.dump(out, sys.stdout, indent=1)
+            print()
+            return 0
         t0 = time.perf_counter()
         baseline = run_baseline(config, name="fp32", store=store, seeds=seeds, progress=args.progress)
         out.update(steps=baseline.steps, baseline_seconds=round(time.perf_counter() - t0, 1),

@@ -10,7 +10,9 @@ one ``c_l`` per group to
     minimise   sum_l p_l(c_l)                         (predicted output noise: additive to first order)
     subject to sum_l bits_l(c_l) <= budget_bits * sum_l n_l
 
-which is a multiple-choice knapsack problem.  The predicted SQNR of the mix is ``-10 log10(sum_l p_l)``.
+which is a multiple-choice knapsack problem.  The predicted SQNR of the mix is ``-10 log10(sum_l p_l)``.  With
+``metric="probe"`` the cost of a choice is instead its training-probe loss change ``probe_delta`` (one training
+run with only that group in ``c``; ``training_probe``), and the summed change is minimised under the same budget.
 
 Why weight the budget by parameter count.  The average is taken over weight elements (each group's share is its
 ``n_l = out_features * in_features``).  That is the model's storage and memory traffic for weights, and it is also

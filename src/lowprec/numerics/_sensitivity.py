@@ -25,6 +25,14 @@ sensitivity is a property of the trained model's forward function.  The model sh
 initialised network is a different function (``lowprec sensitivity`` trains the config in float32 first).
 
 Cost: one float32 forward pass over the batches, plus one emulated forward pass per (layer group, spec).
+
+Training probe (gradient-aware, ``lowprec.numerics.training_probe``, ``--metric probe``).  The forward SQNR can
+misrank what matters for *training*: training also quantizes the two backward GEMMs of every layer (gradients
+with stochastic rounding, block scales over the batch for the weight gradient), and small per-step errors act
+over the whole run.  The probe measures that directly and fills ``probe_delta``: the final evaluation loss of a
+training run with only this group trained in the spec minus that of a float32 run with the same seed and steps.
+It costs one training run per (group, spec, probe seed); ``choose_precision(metric="probe")`` then minimises the
+summed loss changes (additive to first order, like the noise powers).
 """
 
 from __future__ import annotations
