@@ -180,6 +180,33 @@ def test_cli_prints_a_ranked_table_and_stores_it(tmp_path: Path, capsys: pytest.
     assert json.loads(capsys.readouterr().out)["rows"] == rows
 
 
+def test_cli_probe_ranks_by_the_training_loss_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Oracle: the probe runs' final eval losses read back from the run store (one float32 run, one run per layer
+    with only that layer's recipe overridden); the printed order is by their difference, largest first."""
+    from lowprec.recipes import Recipe
+
+    assert main(["sensitivity", str(_config(tmp_path)), "--spec", "mxfp4", "--batches", "2", "--quiet",
+                 "--metric", "probe", "--probe-steps", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    with RunStore(tmp_path / "runs.db") as store:
+        final = {}
+        for r in store.list_runs(group="probe/mlp-digits"):
+            rec = Recipe.from_dict(r.config["recipe"])
+            assert r.config["steps"] == 3 and int(r.manifest["seed"]) == 0
+            final[rec.name] = (float(store.scalars(r.run_id)["eval/loss"][1][-1]),
+                               sorted(p for p, _ in rec.overrides))
+    deltas = {f"probe {n} mxfp4": final[f"probe {n} mxfp4"][0] - final["fp32"][0]
+              for n in ("layers.0", "layers.1", "head")}
+    assert {k: v[1] for k, v in final.items()} == {"fp32": [], "probe layers.0 mxfp4": ["layers.0"],
+                                                   "probe layers.1 mxfp4": ["layers.1"],
+                                                   "probe head mxfp4": ["head"]}
+    expected = sorted(deltas, key=lambda k: -deltas[k])
+    assert "probe delta" in out[1]
+    assert [f"probe {ln.split()[1]} mxfp4" for ln in out[2:5]] == expected
+    for line, key in zip(out[2:5], expected, strict=True):
+        assert line.split()[-1] == f"{deltas[key]:+.3g}"
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--spec", "mxfp3"], "unknown spec 'mxfp3'"),
     (["--spec", "mxfp4", "--batches", "0"], "--batches must be >= 1"),

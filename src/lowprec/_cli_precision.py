@@ -6,6 +6,10 @@ steps, or ``--calib-steps``; the config's own recipe is not used), recorded in t
 training batches of the ``--batches`` steps right after the calibration run's last step (a pure function of seed
 and step, so the same every time).  Results are stored as events of the calibration run (kinds ``sensitivity``
 and ``autoprecision``), so ``lowprec runs show RUN`` lists them.
+
+``--metric probe`` adds the training probe (``lowprec.numerics.training_probe``): one training run per (layer
+group, spec, probe seed) with only that group quantized, plus one float32 run per probe seed, recorded in group
+``probe/<model>``; seeds are the calibration seed and the next ``--probe-seeds`` - 1.
 """
 
 from __future__ import annotations
