@@ -21,7 +21,15 @@ equal storage.  For example (docs/precision.md, gpt-bytes section):
         --steps 100 --seeds 3 --candidates mxfp4 mxfp6_e2m3 mxfp8_e4m3 --budgets 4.5 --uniform nvfp4 mxfp4 \\
         --no-fp32-head
 
-(``--uniform`` with no names: no uniform arms.)
+(``--uniform`` with no names: no uniform arms.)  ``--metric probe`` chooses with the training probe
+(``training_probe``: one training run per layer, candidate and probe seed, seeds from ``--calib-seed`` on); the
+equal-bits win of docs/precision.md (last section):
+
+    PYTHONPATH=src python benchmarks/autoprecision_demo.py --task mlp-digits --seeds 5 \\
+        --candidates mxfp4/b128 mxfp4/b64 mxfp4 nvfp4 mxfp6_e2m3 --budgets 4.25 --metric sqnr probe \\
+        --probe-seeds 2 --uniform mxfp4 nvfp4/b32 nvfp4/b64 mxfp4/b128 nvfp4 --no-fp32-head
+
+``--plan-only`` stops after the table and the planned arms (no baseline, no arms).
 """
 
 from __future__ import annotations
