@@ -302,8 +302,8 @@ class EmulatedLinear(nn.Linear):
                     self.amax_reduce(current)  # first step: the global batch's amax (class docstring)
                 past = hist.amax() if self._algorithm[role] == "max" else hist[0]
                 out[role] = torch.where(past > 0, past, current)
-                if self.training:
-                    hist.copy_(torch.cat([current.reshape(1), hist[:-1]]))
+                if self.training:  # a new tensor, not in place: see ``forward`` on lp_step
+                    setattr(self, f"amax_history_{role}", torch.cat([current.reshape(1), hist[:-1]]))
                     self._amax_started.add(role)
         return out
 
@@ -313,8 +313,11 @@ class EmulatedLinear(nn.Linear):
             step = self.lp_step
             assert isinstance(step, torch.Tensor)  # a buffer, registered in __init__ whenever _stochastic
             if self.training:  # eval reuses the current step's streams: it never advances training state
-                with torch.no_grad():
-                    step += 1  # in place: advances the lp_step buffer itself
+                # A new tensor, not ``step += 1``: under torch.compile the backward may recompute the keys from the
+                # buffer it was given as input, which an in-place update has advanced by then (the compiled
+                # backward drew the next step's random bits).
+                step = step + 1
+                self.lp_step = step
             dev = step.device
             keys = {k: _random.derive_keys(base.to(dev), step) for k, base in self._base_keys.items()}
         return _LinearFn.apply(x, self.weight, self.bias, _Ctx(self, keys))  # type: ignore[no-any-return]
