@@ -353,8 +353,46 @@ def test_compiled_backward_requantizes_saved_activations_with_eager_bits(
     n_forward = len(calls)
     loss.backward()
     # forward: each layer's x and W; backward: dY of each layer and the replayed inputs of layers 2 ([6, 40]) and
-    # 3 ([6, 16]); the first layer's input needs no gradient, so its saved Q(x) is kept (no ReLU before it)
+    # 3 ([6, 16]), which follow a ReLU; the first layer's input needs no gradient, so its saved Q(x) is kept
+    assert [n for n, m in compiled.named_modules() if getattr(m, "input_after_mask", False)] == ["2", "4"]
     assert n_forward == 6 and sorted(calls[n_forward:]) == sorted([6 * 40, 6 * 16, 6 * 40, 6 * 16, 6 * 8]), calls
     assert_bitwise_equal(loss.detach(), ref.detach(), context=recipe)
     for (name, pa), pb in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         assert_bitwise_equal(pb.grad, pa.grad, context=f"{recipe} {name}")  # type: ignore[arg-type]
+
+
+class _Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x)))  # functional ReLU -> b
+        h = self.c(torch.nn.functional.gelu(h))  # GELU -> c: its backward needs its input, not a mask
+        return self.d(self.norm(h).clamp_min(0.0))  # clamp_min -> d
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.b(h) if bool(h.sum() > 0) else h  # fx cannot trace this
+
+
+def test_convert_marks_linears_fed_by_relu_like_activations() -> None:
+    """``convert`` marks exactly the emulated linears whose input is a ReLU-like activation's output (oracle: the
+    models' forward code, read by hand); a model fx cannot trace marks nothing and converts normally."""
+    from lowprec.runs.zoo._digits import MLP
+
+    mixed = lowprec.convert(_Mixed(), "fp8-tensorwise")
+    assert {n for n, m in mixed.named_modules() if getattr(m, "input_after_mask", False)} == {"b", "d"}
+    zoo = lowprec.convert(MLP(hidden=16, layers=3, activation="relu"), "fp8-tensorwise")
+    assert {n for n, m in zoo.named_modules() if getattr(m, "input_after_mask", False)} == {"layers.1", "layers.2"}
+    gelu = lowprec.convert(MLP(hidden=16, layers=3, activation="gelu"), "fp8-tensorwise")
+    assert not any(getattr(m, "input_after_mask", False) for m in gelu.modules())
+    dd = lowprec.convert(_DataDependent(), "fp8-tensorwise")
+    assert isinstance(dd.b, lowprec.nn.EmulatedLinear) and not dd.b.input_after_mask

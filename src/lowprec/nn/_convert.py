@@ -10,6 +10,7 @@ from torch import nn
 from .. import recipes
 from ..recipes import LinearRecipe, Recipe
 from ._linear import EmulatedLinear
+from ._masked_inputs import mark_masked_inputs
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -81,6 +82,7 @@ def convert(model: nn.Module, recipe: Recipe | str, *, module_filter: ModuleFilt
     for name, lin in targets:
         _set_child(model, name, EmulatedLinear.from_linear(lin, _linear_recipe(name, recipe), seed=recipe.seed,
                                                            name=name))
+    mark_masked_inputs(model)
     model.lowprec_recipe = recipe  # type: ignore[assignment]
     return model
 

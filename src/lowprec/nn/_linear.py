@@ -149,13 +149,12 @@ class _LinearFn(torch.autograd.Function):
             if bias is not None:
                 y = y + _as(bias, torch.float32)
         ctx.share_x, ctx.share_w, ctx.share_g = plan.share_x, plan.share_w, plan.share_g
-        # Under torch.compile, where Q(x) of an x that needs a gradient is the opaque fused op, save x and quantize
-        # it again in backward (same
-        # input, same amax: the same bits).  Saving Q(x) makes AOTAutograd's partitioner keep x's own backward
-        # mask (e.g. ReLU's `x <= 0`) as a bool tensor, and inductor's CPU store of a bool mask is ~100x slower than
-        # the float stores around it (bench_train: 3 ms of a 20 ms MLP step); with x saved the mask is recomputed
-        # in backward, fused into threshold_backward.
-        ctx.requant_x = ctx.share_x and not plan.plain_forward and x.requires_grad and _opaque_in_compile(x2, fwd.a)
+        # Under torch.compile, an x that comes out of a ReLU-like activation (``input_after_mask``, found by
+        # ``convert``) and goes through the opaque fused quantizer is saved as is and quantized again in backward
+        # (same input, same amax: the same bits), so that ReLU's mask is not saved as a slow bool tensor
+        # (nn/_masked_inputs.py).
+        ctx.requant_x = (ctx.share_x and m.input_after_mask and not plan.plain_forward and x.requires_grad
+                         and _opaque_in_compile(x2, fwd.a))
         ctx.save_for_backward(qx if ctx.share_x and not ctx.requant_x else x2, qw if ctx.share_w else w)
         ctx.info, ctx.amax, ctx.has_bias = info, amax, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -192,7 +191,7 @@ class _LinearFn(torch.autograd.Function):
                 op = m.recipe.forward.a
                 assert op.spec is not None
                 x_amax = amax.get("input") if op.scaling.kind == "delayed" else None
-                qx_t = _native_op.call(x2, op.spec, x_amax, replay=True).t()
+                qx_t = _native_op.call(x2, op.spec, x_amax, after=g2).t()
             elif ctx.share_x:
                 qx_t = x2.t()
             else:
@@ -222,6 +221,9 @@ class EmulatedLinear(nn.Linear):
     history is still empty and the scale comes from the current amax): every rank then scales with the amax of
     the whole global batch, as one process would.  Later steps scale from the history, which the data-parallel
     wrapper MAX-reduces after every backward, so no collective is needed in the forward or backward pass."""
+    input_after_mask: bool = False
+    """The input is the output of a ReLU-like activation (set by ``convert``, nn/_masked_inputs.py): under
+    torch.compile on CPU the input is saved unquantized and quantized again in backward.  Speed only."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: LinearRecipe,
                  seed: int = 0, name: str = "", device: Any = None, dtype: Any = None) -> None:
@@ -310,14 +312,14 @@ class EmulatedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         keys = None
         if self._stochastic:
-            step = self.lp_step
-            assert isinstance(step, torch.Tensor)  # a buffer, registered in __init__ whenever _stochastic
+            step = self._buffers["lp_step"]
+            assert step is not None  # a buffer, registered in __init__ whenever _stochastic
             if self.training:  # eval reuses the current step's streams: it never advances training state
                 # A new tensor, not ``step += 1``: under torch.compile the backward may recompute the keys from the
                 # buffer it was given as input, which an in-place update has advanced by then (the compiled
                 # backward drew the next step's random bits).
                 step = step + 1
-                self.lp_step = step
+                self._buffers["lp_step"] = step
             dev = step.device
             keys = {k: _random.derive_keys(base.to(dev), step) for k, base in self._base_keys.items()}
         return _LinearFn.apply(x, self.weight, self.bias, _Ctx(self, keys))  # type: ignore[no-any-return]

@@ -60,10 +60,10 @@ def _key(spec: QuantSpec, replay: bool) -> int:
 # about 90 microseconds per call (measured: 213 vs 117 us for a 256x784 tensor whose quantization takes 90 us),
 # which is most of the operator's cost at the sizes where it is used.
 _LIB = torch.library.Library("lowprec", "DEF")
-_LIB.define("fake_quantize_tensorwise(Tensor x, Tensor? amax, int key) -> Tensor")
+_LIB.define("fake_quantize_tensorwise(Tensor x, Tensor? amax, int key, Tensor? after=None) -> Tensor")
 
 
-def _op(x: torch.Tensor, amax: torch.Tensor | None, key: int) -> torch.Tensor:
+def _op(x: torch.Tensor, amax: torch.Tensor | None, key: int, after: torch.Tensor | None = None) -> torch.Tensor:
     from ._scaled import _tensorwise_fast, fake_quantize_tensors
 
     spec = _SPECS[key]
@@ -78,15 +78,17 @@ _LIB.impl("fake_quantize_tensorwise", _op, "CPU")
 
 
 @torch.library.register_fake("lowprec::fake_quantize_tensorwise")
-def _(x: torch.Tensor, amax: torch.Tensor | None, key: int) -> torch.Tensor:
+def _(x: torch.Tensor, amax: torch.Tensor | None, key: int, after: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def call(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None, *, replay: bool = False) -> torch.Tensor:
+def call(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None, *, after: torch.Tensor | None = None
+         ) -> torch.Tensor:
     """``fake_quantize_tensors(x, spec, amax=amax)`` through the custom operator.
 
-    ``replay=True`` marks a second quantization of a tensor already quantized in the same graph (a backward pass
-    quantizing a saved input again): it passes another key for the same spec, so that AOTAutograd's common
-    subexpression elimination keeps it as its own node instead of merging it with the first call (which would make
-    the partitioner save the first call's output after all)."""
-    return torch.ops.lowprec.fake_quantize_tensorwise(x, amax, _key(spec, replay))  # type: ignore[no-any-return]
+    ``after`` (a backward pass's gradient) marks a second quantization of a tensor already quantized in the same
+    graph: the call passes another key for the same spec, so that AOTAutograd's common subexpression elimination
+    keeps it as its own node instead of merging it with the first call, and takes ``after`` as an (unused) input,
+    so that the partitioner cannot move it into the forward graph and save its output after all."""
+    key = _key(spec, after is not None)
+    return torch.ops.lowprec.fake_quantize_tensorwise(x, amax, key, after)  # type: ignore[no-any-return]
