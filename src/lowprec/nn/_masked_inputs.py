@@ -8,60 +8,32 @@ its 20 ms there).  Such a linear saves x instead and quantizes it again in backw
 there, fused into ReLU's backward.  Other inputs (LayerNorm, GELU, attention outputs) gain nothing from that and
 would pay the extra quantization, so only ReLU-like producers are marked.
 
-How: ``torch.fx`` symbolic tracing of the converted model with the emulated linears as leaves.  A model that fx
-cannot trace (data-dependent control flow, ...) marks nothing: the bits are the same either way, only the compiled
-step's speed differs.
+How: from the model's structure alone, without running any of its code (tracing a user's forward can change its
+state: a step counter, a cache): a linear is marked when it directly follows a ReLU-like activation module in an
+``nn.Sequential``.  Elsewhere set ``linear.input_after_mask = True`` yourself.  The bits are the same either way;
+only the compiled step's speed differs.
 """
 
 from __future__ import annotations
 
-import warnings
-
-import torch
-import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 from ._linear import EmulatedLinear
 
 # activations whose backward saves a mask of their output (threshold_backward / hardtanh_backward / leaky_relu)
 _MASKED_MODULES = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.LeakyReLU, nn.Threshold)
-_MASKED_FUNCTIONS = {torch.relu, F.relu, F.relu6, F.hardtanh, F.leaky_relu, F.threshold, torch.clamp_min}
-_MASKED_METHODS = {"relu", "clamp_min"}
-
-
-class _Tracer(fx.Tracer):
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, EmulatedLinear) or super().is_leaf_module(m, qualname)
-
-
-def _is_masked(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    if node.op == "call_module":
-        return isinstance(modules.get(str(node.target)), _MASKED_MODULES)
-    if node.op == "call_function":
-        return node.target in _MASKED_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in _MASKED_METHODS
-    return False
 
 
 def mark_masked_inputs(model: nn.Module) -> list[str]:
-    """Set ``input_after_mask`` on every ``EmulatedLinear`` of ``model`` whose input is the output of a ReLU-like
-    activation; returns their qualified names (empty when fx cannot trace the model)."""
-    try:
-        with warnings.catch_warnings():  # tracing is an optimisation probe: its warnings are not the user's
-            warnings.simplefilter("ignore")
-            graph = _Tracer().trace(model)
-    except Exception:  # any model fx cannot trace: nothing is marked (speed only, never bits)
-        return []
-    modules = dict(model.named_modules())
+    """Set ``input_after_mask`` on every ``EmulatedLinear`` of ``model`` that directly follows a ReLU-like
+    activation module in an ``nn.Sequential``; returns their qualified names."""
     marked = []
-    for node in graph.nodes:
-        if node.op != "call_module" or not isinstance(modules.get(str(node.target)), EmulatedLinear):
+    for prefix, seq in model.named_modules():
+        if not isinstance(seq, nn.Sequential):
             continue
-        src = node.args[0] if node.args else None
-        if isinstance(src, fx.Node) and _is_masked(src, modules):
-            lin = modules[str(node.target)]
-            assert isinstance(lin, EmulatedLinear)
-            lin.input_after_mask = True
-            marked.append(str(node.target))
+        children = list(seq.named_children())
+        for (_, before), (name, lin) in zip(children, children[1:]):
+            if isinstance(before, _MASKED_MODULES) and isinstance(lin, EmulatedLinear):
+                lin.input_after_mask = True
+                marked.append(f"{prefix}.{name}" if prefix else name)
     return marked
