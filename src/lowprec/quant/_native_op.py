@@ -3,9 +3,10 @@
 Traced by inductor, tensorwise fake quantization becomes generated C++ that redoes the bit-level rounding kernel;
 on CPU that is slower than the fused C loop of ``_native`` (bench_train: the compiled fp8 step was slower than
 the eager one).  Inside a compiled region ``fake_quantize_tensors`` therefore calls
-``torch.ops.lowprec.fake_quantize_tensorwise``, a ``torch.library.custom_op`` whose implementation is the eager
+``torch.ops.lowprec.fake_quantize_tensorwise``, an operator defined with ``torch.library`` whose CPU kernel is the eager
 quantizer (the C loop where it applies, the eager kernel otherwise): inductor compiles everything around it and
 calls it as a function.  The bits are those of the eager path, which the eager-vs-compiled tests compare.
+``call(..., after=grad)`` is the backward pass quantizing a saved input again (``nn/_masked_inputs.py``).
 
 Specs cannot be operator arguments, so each spec is registered once and passed as an integer key (a compile-time
 constant).  Used for CPU tensors below ``_backend.AUTO_MIN_NUMEL`` elements with tensor scaling, float32 scales
