@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -34,9 +32,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-import lowprec
 import lowprec.jax as lj
-from lowprec.runs._manifest import cpu_model
+from lowprec.runs._manifest import host_info
 
 # name -> (function of the 2-D float32 input, native dtype its element format casts to)
 QUANTIZERS: dict[str, tuple[Callable[[jax.Array], jax.Array], Any]] = {
@@ -64,7 +61,6 @@ def sig(v: float, digits: int = 4) -> float:
 
 
 def machine_info() -> dict[str, Any]:
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {
         "jax": jax.__version__,
         "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
@@ -72,11 +68,7 @@ def machine_info() -> dict[str, Any]:
         "devices": [str(d) for d in jax.devices()],
         "numpy": np.__version__,
         "ml_dtypes": ml_dtypes.__version__,
-        "lowprec": lowprec.__version__,
-        "python": platform.python_version(),
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": affinity,
+        **host_info(),
     }
 
 

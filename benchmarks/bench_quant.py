@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +37,7 @@ import torch
 
 import lowprec
 from lowprec.quant import QuantSpec, fake_quantize, quantize
-from lowprec.runs._manifest import cpu_model
+from lowprec.runs._manifest import host_info
 
 # name -> (function of the 2-D input, element format for the native comparisons)
 QUANTIZERS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
@@ -86,16 +84,11 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 def machine_info() -> dict[str, Any]:
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {
         "torch": torch.__version__,
         "numpy": np.__version__,
         "ml_dtypes": ml_dtypes.__version__,
-        "lowprec": lowprec.__version__,
-        "python": platform.python_version(),
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": affinity,
+        **host_info(),
         "torch_num_threads": torch.get_num_threads(),
     }
 

@@ -73,7 +73,7 @@ from torch import nn
 
 import lowprec
 from lowprec.optim import LowPrecisionOptimizer
-from lowprec.runs._manifest import cpu_model
+from lowprec.runs._manifest import host_info
 
 DEFAULT_RECIPES = ["fp32", "bf16", "bf16-sr", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "nvfp4",
                    "h100-fp8"]
@@ -201,12 +201,8 @@ def machine_info() -> dict[str, Any]:
     return {
         "torch": torch.__version__,
         "torchao": torchao_version,
-        "lowprec": lowprec.__version__,
-        "python": platform.python_version(),
+        **host_info(),
         "platform": platform.platform(),
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_num_threads": torch.get_num_threads(),
         "lowprec_backend": lowprec.quant.get_backend(),
         "load_average_start": load_average(),

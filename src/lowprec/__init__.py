@@ -56,10 +56,4 @@ _TORCH_ATTRS: _lazy.LazyTable = {
 }
 
 if not _typing.TYPE_CHECKING:  # hidden from type checkers, which see the imports above (and flag unknown names)
-
-    def __getattr__(name: str) -> _typing.Any:
-        return _lazy.load(__name__, name, _TORCH_ATTRS, globals())
-
-
-def __dir__() -> list[str]:
-    return _lazy.names(globals(), _TORCH_ATTRS)
+    __getattr__, __dir__ = _lazy.attach(__name__, _TORCH_ATTRS, globals())

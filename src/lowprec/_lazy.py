@@ -9,6 +9,7 @@ so JAX users can use them, and ``lowprec.jax``, without PyTorch installed.  The 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 # name -> (module to import, relative to the package; attribute of it, or None for the module itself)
@@ -44,3 +45,16 @@ def load(package: str, name: str, table: LazyTable, namespace: dict[str, Any]) -
 def names(namespace: dict[str, Any], table: LazyTable) -> list[str]:
     """``dir()`` of a package with lazy attributes: what it holds now and every lazy name."""
     return sorted(set(namespace) | set(table))
+
+
+def attach(package: str, table: LazyTable, namespace: dict[str, Any]) -> tuple[Callable[[str], Any],
+                                                                              Callable[[], list[str]]]:
+    """The module ``__getattr__`` and ``__dir__`` (PEP 562) of ``package``, whose globals are ``namespace``."""
+
+    def getattr_(name: str) -> Any:
+        return load(package, name, table, namespace)
+
+    def dir_() -> list[str]:
+        return names(namespace, table)
+
+    return getattr_, dir_

@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,26 +70,26 @@ class LinearPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class MLPPlan:
-    """``mlp-digits``: ``linears`` in forward order with ``activation`` between them; ``[B,64] -> [B,10]``."""
-
+class _ModelPlan:
     params: tuple[str, ...]
-    """Parameter names in ``model.parameters()`` order."""
+    """Parameter names in ``model.parameters()`` order (no ``lm_head.weight`` when a GPT's head is tied)."""
     linears: tuple[LinearPlan, ...]
     seed: int
     """The recipe's seed (stochastic operand streams)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPPlan(_ModelPlan):
+    """``mlp-digits``: ``linears`` in forward order with ``activation`` between them; ``[B,64] -> [B,10]``."""
+
     activation: str
     """"ReLU" or "GELU" (exact erf form, as ``torch.nn.GELU()``)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTPlan:
+class GPTPlan(_ModelPlan):
     """``gpt-bytes``: ``[B,T]`` int32 bytes -> ``[B,T,256]`` float32 logits (module docstring)."""
 
-    params: tuple[str, ...]
-    """Parameter names in ``model.parameters()`` order (no ``lm_head.weight`` when it is tied)."""
-    linears: tuple[LinearPlan, ...]
-    seed: int
     layers: int
     heads: int
     context: int

@@ -34,6 +34,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def host_info() -> dict[str, Any]:
+    """What benchmarks record about the host: lowprec and Python versions, CPU model, CPU count and affinity."""
+    return {
+        "lowprec": __version__,
+        "python": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+
+
 def git_state(directory: str | os.PathLike[str] = ".") -> dict[str, Any] | None:
     """``{"commit", "dirty"}`` of the git checkout containing ``directory``, or None when there is none."""
     def git(*args: str) -> str:
