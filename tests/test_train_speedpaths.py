@@ -7,6 +7,9 @@
   Through the public quantizers the oracle is the same call with the fast paths turned off
   (``lowprec.quant._backend.fast_paths(False)``).  Each comparison runs twice: through the fused C loop
   (``lowprec.quant._native``, built with the system compiler) and through the tensor-operation route.
+* One input quantization shared by sibling linears that read the same tensor (attention's q, k, v:
+  ``_linear._SharedInput``).  Oracle: the same model with the sharing turned off; an input changed in place
+  between the calls is quantized again.
 * One quantization per tensor shared between GEMMs (``_linear.shares_quantization``).  Oracle: the per-GEMM
   implementation (every operand quantized for its own GEMM, ``_linear.gemm``), obtained by making
   ``shares_quantization`` answer False; forward output and both gradients over several training steps compared
@@ -256,6 +259,64 @@ def test_shared_quantization_matmul_matches_per_gemm(recipe: str, monkeypatch: p
     _unshared(monkeypatch)
     for s, p in zip(shared, run(), strict=True):
         assert_bitwise_equal(s, p, context=recipe)
+
+
+class _Siblings(nn.Module):
+    """Three linears reading one tensor, as attention's q, k and v do, then one reading another tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(24, 24) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.tanh()
+        return self.o(self.q(h) * self.k(h) + self.v(h))
+
+
+# forward input quantizations per step of _Siblings: 2 where q, k, v share one (round-to-nearest, current scaling,
+# and Q(x) kept alive for backward because grad_weight reuses it), else 4
+SIBLING_CALLS = {"fp8-tensorwise": 2, "bf16": 2, "mxfp8": 4, "fp8-delayed": 4, "nvfp4": 4}
+
+
+@pytest.mark.parametrize("recipe", list(SIBLING_CALLS))
+def test_sibling_linears_share_input_quantization(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q, k, v quantize their common input once where that gives the same bits (round-to-nearest, current
+    scaling, a saved Q(x)); oracle: the same steps with the sharing turned off (each linear quantizes its own
+    input).  mxfp8 shares nothing: its forward Q(x) (blocks along K) is not the grad_weight operand (blocks along
+    the batch), so it is not saved and is gone before k runs; delayed scaling has one amax per module; nvfp4's
+    input is round-to-nearest but its blocks are not saved either."""
+    torch.manual_seed(0)
+    base = _Siblings()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    lowprec.convert(a, recipe)
+    lowprec.convert(b, recipe)
+    calls: list[tuple[int, ...]] = []
+    real = lin_mod.quantize_operand
+
+    def counting(t, spec, name, which, keys, amax):  # type: ignore[no-untyped-def]
+        if (name, which) == ("forward", "a"):
+            calls.append(tuple(t.shape))
+        return real(t, spec, name, which, keys, amax)
+
+    monkeypatch.setattr(lin_mod, "quantize_operand", counting)
+    shared = _train(a, 3)
+    assert len(calls) == 3 * SIBLING_CALLS[recipe], (recipe, calls)
+    monkeypatch.setattr(lin_mod._SharedInput, "cacheable", staticmethod(lambda x, op, amax: False))
+    for i, (s, p) in enumerate(zip(shared, _train(b, 3), strict=True)):
+        assert_bitwise_equal(s, p, context=f"{recipe} tensor {i}")
+
+
+def test_shared_input_is_requantized_after_an_in_place_change() -> None:
+    """The reuse is keyed on the tensor object and its version counter: after ``h.mul_`` the next sibling
+    quantizes the new values (oracle: a fresh tensor with those values through the same linear)."""
+    torch.manual_seed(0)
+    m = lowprec.convert(_Siblings(), "fp8-tensorwise")
+    h = torch.randn(5, 24)
+    kept = m.q(h)  # its graph keeps Q(h) alive, so k could reuse it
+    assert kept.requires_grad
+    with torch.no_grad():
+        h.mul_(1000.0)  # new values and amax: a reused Q(h) would be the old ones, 1000 times too small
+    assert_bitwise_equal(m.k(h), m.k(h.clone()), context="k after the in-place change")
 
 
 def test_shares_quantization_rules() -> None:

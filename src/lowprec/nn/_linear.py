@@ -22,6 +22,8 @@ step)`` with the step counter in the buffer ``lp_step``.  Those buffers exist on
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -118,6 +120,54 @@ def _opaque_in_compile(t: torch.Tensor, op: Operand) -> bool:
     return op.spec is not None and torch.compiler.is_compiling() and _native_op.applies(t, op.spec)
 
 
+class _SharedInput(threading.local):
+    """The last forward input quantization, for linears that read the same tensor (attention's q, k and v).
+
+    ``Q(x)`` with current scaling and round-to-nearest is a function of ``x``'s values and the spec only, so a
+    sibling linear called with the same tensor object, unmodified since (same ``_version``), and an equal spec gets
+    the same bits by reusing it.  Only weak references are held: nothing is kept alive, and a dead or different
+    tensor is a miss.  So a hit needs the first Q(x) still alive, which it is where the recipe saves it for
+    grad_weight (``shares_quantization``: fp8-tensorwise, bf16, ...).  Eager only (under torch.compile, CSE merges
+    the duplicate quantizations itself).
+    """
+
+    def __init__(self) -> None:
+        self.x: weakref.ref[torch.Tensor] | None = None
+        self.version = -1
+        self.op: Operand | None = None
+        self.qx: weakref.ref[torch.Tensor] | None = None
+
+    @staticmethod
+    def cacheable(x: torch.Tensor, op: Operand, amax: dict[str, torch.Tensor]) -> bool:
+        spec = op.spec
+        return (spec is not None and spec.rounding == "nearest" and op.scaling.kind != "delayed" and not amax
+                and not torch.compiler.is_compiling() and not x.is_inference())  # inference tensors: no _version
+
+    def get(self, x: torch.Tensor, op: Operand) -> torch.Tensor | None:
+        if self.x is None or self.x() is not x or x._version != self.version or not (op is self.op or op == self.op):
+            return None
+        return self.qx() if self.qx is not None else None
+
+    def put(self, x: torch.Tensor, op: Operand, qx: torch.Tensor) -> None:
+        self.x, self.version, self.op, self.qx = weakref.ref(x), x._version, op, weakref.ref(qx)
+
+
+_shared_input = _SharedInput()
+
+
+def _quantize_input(x: torch.Tensor, x2: torch.Tensor, fwd: Gemm, keys: Keys | None,
+                    amax: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Q(x2) for the forward GEMM (``x2``: ``x`` as [B, K] float32), reused from a sibling linear where valid."""
+    op = fwd.a
+    if not _SharedInput.cacheable(x, op, amax):
+        return quantize_operand(x2, fwd, "forward", "a", keys, amax)
+    qx = _shared_input.get(x, op)
+    if qx is None or qx.shape != x2.shape:
+        qx = quantize_operand(x2, fwd, "forward", "a", keys, amax)
+        _shared_input.put(x, op, qx)
+    return qx
+
+
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)`` without the dispatch when it is already that dtype (a few microseconds per call)."""
     return t if t.dtype == dtype else t.to(dtype)
@@ -143,11 +193,11 @@ class _LinearFn(torch.autograd.Function):
             qx, qw = x2, w
         else:
             # y = x @ W^T   [B,K] @ [K,N] -> [B,N]; the bias is added after the GEMM, as torchao does
-            qx = quantize_operand(x2, fwd, "forward", "a", info.keys, amax)
+            qx = _quantize_input(x, x2, fwd, info.keys, amax)
             qw = quantize_operand(w, fwd, "forward", "b", info.keys, amax)
             y = product(qx, qw, fwd)
             if bias is not None:
-                y = y + _as(bias, torch.float32)
+                y = y.add_(_as(bias, torch.float32)) if y.dtype == torch.float32 else y + _as(bias, torch.float32)
         ctx.share_x, ctx.share_w, ctx.share_g = plan.share_x, plan.share_w, plan.share_g
         # Under torch.compile, an x that comes out of a ReLU-like activation (``input_after_mask``, found by
         # ``convert``) and goes through the opaque fused quantizer is saved as is and quantized again in backward
