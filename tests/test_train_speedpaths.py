@@ -153,7 +153,9 @@ def _fast_and_reference(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 @pytest.mark.parametrize("special", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fake_quantize_fast_matches_kernel(route: str, spec: str | QuantSpec, special: bool, dtype: torch.dtype) -> None:
+def test_fake_quantize_fast_matches_kernel(
+    route: str, spec: str | QuantSpec, special: bool, dtype: torch.dtype
+) -> None:
     x = _varied((48, 100), 1, special).to(dtype)
     for t in (x, x.t()):
         fast, ref = _fast_and_reference(lowprec.quant.fake_quantize, t, spec)

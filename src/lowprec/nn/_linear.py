@@ -144,7 +144,8 @@ class _SharedInput(threading.local):
                 and not torch.compiler.is_compiling() and not x.is_inference())  # inference tensors: no _version
 
     def get(self, x: torch.Tensor, op: Operand) -> torch.Tensor | None:
-        if self.x is None or self.x() is not x or x._version != self.version or not (op is self.op or op == self.op):
+        last = self.x() if self.x is not None else None
+        if last is None or last is not x or x._version != self.version or not (op is self.op or op == self.op):
             return None
         return self.qx() if self.qx is not None else None
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
 import torch
 
@@ -144,15 +144,44 @@ def _f32(v: float) -> float:
         return math.copysign(math.inf, v)
 
 
+class _TensorwisePlan(NamedTuple):
+    """What ``_tensorwise_fast`` needs from a spec, worked out once per spec (``_tensorwise_plan``)."""
+
+    fmax: float  # the element format's largest finite value
+    margin: float  # 2^-margin
+    route_limit: float  # ``route_fits``: the float route handles magnitudes below this
+    clamp_over: float | bool  # ``clamp_for`` when vmax > fmax: clamp to fmax, or False (the kernel's rules)
+    k: float  # ``route_constants``
+    cmin: float
+    signed_zero: bool
+
+
+_plans: dict[int, tuple[QuantSpec, _TensorwisePlan | None]] = {}
+
+
+def _tensorwise_plan(spec: QuantSpec) -> _TensorwisePlan | None:
+    """The spec's ``_TensorwisePlan``, or None when ``_tensorwise_fast`` never applies to it (cached by identity:
+    specs are frozen, and the cache holds the spec so its id is not reused)."""
+    hit = _plans.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    fmt = spec.format
+    plan = None
+    if (spec.scaling == "tensor" and spec.rounding == "nearest" and uses_multiplier(spec)
+            and fast_round_ok(fmt, "nearest")):
+        k, cmin = route_constants(fmt)
+        over = clamp_for(fmt, math.inf, spec.saturate)
+        plan = _TensorwisePlan(fmt.max, 2.0 ** -spec.margin, 2.0 ** (126 - (24 - fmt.mbits)),
+                               False if over is None else over, k, cmin, fmt.has_negative_zero)
+        assert route_fits(fmt, math.nextafter(plan.route_limit, 0.0)) and not route_fits(fmt, plan.route_limit)
+    if len(_plans) > 4096:
+        _plans.clear()
+    _plans[id(spec)] = (spec, plan)
+    return plan
+
+
 def _tensorwise_fast_ok(x: torch.Tensor, spec: QuantSpec) -> bool:
-    return (
-        spec.scaling == "tensor"
-        and spec.rounding == "nearest"
-        and uses_multiplier(spec)
-        and x.numel() > 0
-        and fast_round_ok(spec.format, "nearest")
-        and _backend.runs_eager(x.numel())
-    )
+    return _tensorwise_plan(spec) is not None and x.numel() > 0 and _backend.runs_eager(x.numel())
 
 
 def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None) -> torch.Tensor | None:
@@ -164,6 +193,9 @@ def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None
     (double has more than 2 * 24 + 2 bits), which is what torch's float32 operations give.  ``max |x * m|`` is
     ``fl(max |x| * m)`` because rounding is monotonic.
     """
+    plan = _tensorwise_plan(spec)
+    if plan is None:
+        return None
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
     native = _native.usable(xf)
     if native:
@@ -179,25 +211,22 @@ def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None
     a = xmax if amax is None else float(amax.to(torch.float32).item())
     if not (math.isfinite(a) and a >= 0.0):
         return None
-    fmax = spec.format.max
-    m = min(_f32(fmax / a), _F32_MAX) if a > 0.0 else _F32_MAX  # group_scale: clamp(max_elem / amax, max=...)
-    if spec.margin:
-        m = _f32(m * 2.0**-spec.margin)
+    m = min(_f32(plan.fmax / a), _F32_MAX) if a > 0.0 else _F32_MAX  # group_scale: clamp(max_elem / amax, max=...)
+    if plan.margin != 1.0:
+        m = _f32(m * plan.margin)
     if not (math.isfinite(m) and m > 0.0):
         return None
     vmax = _f32(xmax * m)
-    fmt = spec.format
     # one fused pass (x * m, round, times 1/m) where x * m stays finite and v + C cannot overflow (_native.c)
-    if native and math.isfinite(vmax) and route_fits(fmt, min(vmax, fmt.max)):
-        clamp = clamp_for(fmt, vmax, spec.saturate)
+    if native and math.isfinite(vmax) and min(vmax, plan.fmax) < plan.route_limit:
+        clamp = None if vmax <= plan.fmax else plan.clamp_over  # clamp_for
         if clamp is False:
             return None
-        k, cmin = route_constants(fmt)
-        y = _native.round_nearest(xf, k=k, cmin=cmin, mul=m, post=_f32(1.0 / m), clamp=clamp,
-                                  signed_zero=fmt.has_negative_zero)
+        y = _native.round_nearest(xf, k=plan.k, cmin=plan.cmin, mul=m, post=_f32(1.0 / m), clamp=clamp,
+                                  signed_zero=plan.signed_zero)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     v = xf * m
-    q = round_nearest_fast(v, fmt, saturate=spec.saturate, vmax=vmax, sign=xf)
+    q = round_nearest_fast(v, spec.format, saturate=spec.saturate, vmax=vmax, sign=xf)
     if q is None:
         return None
     return q.mul_(_f32(1.0 / m)).to(x.dtype)
