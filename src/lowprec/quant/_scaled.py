@@ -170,9 +170,10 @@ def _tensorwise_plan(spec: QuantSpec) -> _TensorwisePlan | None:
     if (spec.scaling == "tensor" and spec.rounding == "nearest" and uses_multiplier(spec)
             and fast_round_ok(fmt, "nearest")):
         k, cmin = route_constants(fmt)
-        over = clamp_for(fmt, math.inf, spec.saturate)
-        plan = _TensorwisePlan(fmt.max, 2.0 ** -spec.margin, 2.0 ** (126 - (24 - fmt.mbits)),
-                               False if over is None else over, k, cmin, fmt.has_negative_zero)
+        over = clamp_for(fmt, math.inf, spec.saturate)  # above every max: fmt.max (clamp) or False, never None
+        assert over is not None
+        plan = _TensorwisePlan(fmt.max, 2.0 ** -spec.margin, 2.0 ** (126 - (24 - fmt.mbits)), over, k, cmin,
+                               fmt.has_negative_zero)
         assert route_fits(fmt, math.nextafter(plan.route_limit, 0.0)) and not route_fits(fmt, plan.route_limit)
     if len(_plans) > 4096:
         _plans.clear()
