@@ -21,9 +21,17 @@ equal storage.  For example (docs/precision.md, gpt-bytes section):
         --steps 100 --seeds 3 --candidates mxfp4 mxfp6_e2m3 mxfp8_e4m3 --budgets 4.5 --uniform nvfp4 mxfp4 \\
         --no-fp32-head
 
-(``--uniform`` with no names: no uniform arms.)  ``--metric probe`` chooses with the training probe
-(``training_probe``: one training run per layer, candidate and probe seed, seeds from ``--calib-seed`` on); the
-equal-bits win of docs/precision.md (last section):
+(``--uniform`` with no names: no uniform arms.)  The equal-bits win of docs/precision.md (gpt-bytes at 4.25 bits:
+the mix PASSes with 6 and 10 seeds, uniform mxfp4 FAILs), as two processes, one per arm (with mxfp4 the only
+candidate the 4.25-bit plan is uniform mxfp4 itself):
+
+    C="--task gpt-bytes --model-option layers=3 --steps 100 --seeds 10 --no-fp32-head --budgets 4.25 --uniform"
+    PYTHONPATH=src python benchmarks/autoprecision_demo.py $C --candidates mxfp4/b128 mxfp4/b64 mxfp4 nvfp4 mxfp6_e2m3
+    PYTHONPATH=src python benchmarks/autoprecision_demo.py $C --candidates mxfp4
+
+``--metric probe`` chooses with the training probe (``training_probe``: one training run per layer, candidate and
+probe seed, seeds from ``--calib-seed`` on); the partial equal-bits win on mlp-digits (docs/precision.md, last
+section):
 
     PYTHONPATH=src python benchmarks/autoprecision_demo.py --task mlp-digits --seeds 5 \\
         --candidates mxfp4/b128 mxfp4/b64 mxfp4 nvfp4 mxfp6_e2m3 --budgets 4.25 --metric sqnr probe \\
