@@ -175,6 +175,8 @@ def _tensorwise_plan(spec: QuantSpec) -> _TensorwisePlan | None:
         plan = _TensorwisePlan(fmt.max, 2.0 ** -spec.margin, 2.0 ** (126 - (24 - fmt.mbits)), over, k, cmin,
                                fmt.has_negative_zero)
         assert route_fits(fmt, math.nextafter(plan.route_limit, 0.0)) and not route_fits(fmt, plan.route_limit)
+    if torch.compiler.is_compiling():  # no global mutation while dynamo traces (a side effect it rejects inside
+        return plan  # an autograd.Function's backward)
     if len(_plans) > 4096:
         _plans.clear()
     _plans[id(spec)] = (spec, plan)
@@ -182,7 +184,7 @@ def _tensorwise_plan(spec: QuantSpec) -> _TensorwisePlan | None:
 
 
 def _tensorwise_fast_ok(x: torch.Tensor, spec: QuantSpec) -> bool:
-    return _tensorwise_plan(spec) is not None and x.numel() > 0 and _backend.runs_eager(x.numel())
+    return x.numel() > 0 and _backend.runs_eager(x.numel()) and _tensorwise_plan(spec) is not None
 
 
 def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None) -> torch.Tensor | None:
