@@ -44,7 +44,7 @@ def main() -> None:
                 cfg = RunConfig(model="mlp-digits", steps=30, eval_interval=10, threads=1, recipe=recipes.get(r),
                                 parallel=ParallelConfig(strategy=strategy, world_size=2), store=store_path,
                                 group=f"{'plain' if strategy == 'ddp' else strategy}/{r}")
-                train(cfg, seed=0, store=store, world=world, progress=False)
+                train(cfg, seed=0, store=store, world=dataclasses.replace(world, strategy=strategy), progress=False)
         for name, comm in COMM.items():
             recipe = dataclasses.replace(recipes.get("fp32"), grad_comm=comm)
             cfg = RunConfig(model="mlp-digits", steps=COMM_STEPS, eval_interval=COMM_STEPS // 4, threads=1,

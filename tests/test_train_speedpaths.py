@@ -116,6 +116,23 @@ def test_native_route_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(calls) == 3
 
 
+@pytest.mark.parametrize("spec", ["bfloat16", "float8_e5m2", "fp8_e4m3_tensorwise"])
+def test_wrapper_subclass_takes_the_tensor_route(spec: str) -> None:
+    """FSDP2's weight shard wrapper has no storage of its own (``data_ptr()`` is 0): the C kernels must not read it
+    (they did, and crashed the process, when the optimizer put bf16-sr weights on their grid under FSDP2).
+    Oracle: the same values as a plain tensor."""
+    from lowprec.distributed._fsdp_gather import GatherStats, LowpGatherWeight
+
+    x = torch.randn(64, 32)
+    wrapped = LowpGatherWeight(x.clone(), QuantSpec.named("fp8_e4m3_tensorwise"), GatherStats())
+    assert wrapped.data_ptr() == 0 and not _native.usable(wrapped) and not _native.usable(nn.Parameter(wrapped))
+    assert _native.usable(nn.Parameter(x, requires_grad=False)) == _native.available()
+    fq = lowprec.quant.fake_quantize if spec.endswith("tensorwise") else lowprec.quantize
+    with torch.no_grad():
+        got = fq(wrapped, spec)
+    assert_bitwise_equal(got._tensor if isinstance(got, LowpGatherWeight) else got, fq(x, spec), context=spec)
+
+
 def _varied(shape: tuple[int, ...], seed: int, special: bool) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())

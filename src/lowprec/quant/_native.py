@@ -113,10 +113,16 @@ def available() -> bool:
     return not _state.get("off", False) and _lib() is not None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def usable(t: torch.Tensor) -> bool:
-    """Whether ``t`` can go through the native kernels: a contiguous float32 CPU tensor outside autograd."""
+    """Whether ``t`` can go through the native kernels: a contiguous float32 CPU tensor outside autograd, and a
+    plain one (a tensor subclass, e.g. FSDP2's wrapped weight shard ``LowpGatherWeight``, may have no storage of its
+    own: ``data_ptr()`` is 0)."""
     return (
-        t.dtype == torch.float32
+        type(t) in _PLAIN
+        and t.dtype == torch.float32
         and t.device.type == "cpu"
         and t.is_contiguous()
         and not (t.requires_grad and torch.is_grad_enabled())
