@@ -52,6 +52,15 @@ TOLERANCES: dict[str, Tolerance] = {
         "1.4e-7 (fp32, 40 steps); a world-size-dependent stochastic-rounding stream would move bf16 weights by "
         "whole bf16 steps (~4e-3)",
     ),
+    "ddp_vs_single_fp8_delayed_loss_rel": Tolerance(
+        value=2e-4,
+        unit="ratio",
+        source="as ddp_vs_single_loss_rel, for fp8-delayed (30 steps of mlp-digits): a last-bit difference from the "
+        "gradient additions can move an element across an fp8 rounding boundary (a 2^-3 relative step), so the "
+        "curves drift further apart than in float32: measured 2.9e-5 on an AMD EPYC (below 1e-5 on the CPU of "
+        "earlier sessions); without the first-step MAX all-reduce of the amax (each rank scaling with its own half "
+        "batch) it is 3.7e-3",
+    ),
     "jax_vs_torch_loss_rel": Tolerance(
         value=1e-4,
         unit="ratio",
