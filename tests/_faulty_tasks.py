@@ -71,11 +71,13 @@ def duplicated(*, seed: int, batch_size: int | None = None, copies: int = 2) -> 
 
 
 class _StepCounter(torch.nn.Module):
-    """Counts its training-mode forwards in a buffer (so a replay that restores buffers restores the count)."""
+    """Counts its training-mode forwards in a buffer (so a replay that restores buffers restores the count).  With
+    ``rank`` set, the fault fires only in the torchrun worker of that rank (``RANK``)."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, rank: int | None = None) -> None:
         super().__init__()
         self.step = step
+        self.rank = rank
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
     def _now(self) -> bool:
@@ -83,7 +85,8 @@ class _StepCounter(torch.nn.Module):
             return False
         with torch.no_grad():
             self.calls += 1
-        return int(self.calls) - 1 == self.step
+        here = self.rank is None or int(os.environ.get("RANK", "0")) == self.rank
+        return here and int(self.calls) - 1 == self.step
 
 
 class Overflow(_StepCounter):
@@ -121,35 +124,39 @@ def _insert_after(task: Task, layer: int, name: str, module: torch.nn.Module) ->
     layers[layer] = torch.nn.Sequential(OrderedDict([("linear", layers[layer]), (name, module)]))
 
 
-def overflow_at(*, seed: int, batch_size: int | None = None, step: int = 5) -> Task:
+def overflow_at(*, seed: int, batch_size: int | None = None, step: int = 5, rank: int | None = None) -> Task:
     """mlp-digits with module ``layers.1.amp`` after the second linear whose forward output at batch ``step``
-    (0-based) overflows to +-inf: the run's first non-finite tensor is that module's output at step ``step + 1``."""
+    (0-based) overflows to +-inf: the run's first non-finite tensor is that module's output at step ``step + 1``
+    (on rank ``rank`` only, when set)."""
     task = get_task("mlp-digits", seed=seed, batch_size=batch_size)
-    _insert_after(task, 1, "amp", Overflow(step))
+    _insert_after(task, 1, "amp", Overflow(step, rank))
     return dataclasses.replace(task, name="overflow_at")
 
 
-def nan_grad_at(*, seed: int, batch_size: int | None = None, step: int = 5) -> Task:
+def nan_grad_at(*, seed: int, batch_size: int | None = None, step: int = 5, rank: int | None = None) -> Task:
     """mlp-digits with module ``layers.1.bad`` after the second linear whose backward at batch ``step`` (0-based)
     returns one NaN in the gradient of its input: the loss stays finite, the gradient norm is NaN, and the first
-    non-finite tensor is ``layers.1.bad``'s grad_input at step ``step + 1``."""
+    non-finite tensor is ``layers.1.bad``'s grad_input at step ``step + 1`` (on rank ``rank`` only, when set)."""
     task = get_task("mlp-digits", seed=seed, batch_size=batch_size)
-    _insert_after(task, 1, "bad", NanGrad(step))
+    _insert_after(task, 1, "bad", NanGrad(step, rank))
     return dataclasses.replace(task, name="nan_grad_at")
 
 
 def tiny_input(*, seed: int, batch_size: int | None = None, scale: float = 2.0**-12, crash_step: int = -1,
-               marker: str = "") -> Task:
+               marker: str = "", copies: int = 1) -> Task:
     """mlp-digits with inputs multiplied by ``scale`` (pixels in [0, 1] -> at most 2^-12: every nonzero input
     underflows in unscaled fp8 e4m3, whose smallest subnormal is 2^-9).  With ``crash_step`` >= 0 the batch
-    function raises once at that step (see ``crash_at``).  Evaluation uses the unscaled held-out data."""
-    task = get_task("mlp-digits", seed=seed, batch_size=batch_size)
+    function raises once at that step (see ``crash_at``).  ``copies`` stacks copies of a batch of
+    ``batch_size / copies`` rows (see ``duplicated``).  Evaluation uses the unscaled held-out data."""
+    rows = batch_size if copies == 1 else (batch_size or 64) // copies
+    task = get_task("mlp-digits", seed=seed, batch_size=rows)
 
     def batch(s: int) -> tuple[Any, torch.Tensor]:
         if s == crash_step and not Path(marker).exists():
             Path(marker).write_text("failed once")
             raise RuntimeError(f"injected failure at step {s}")
         x, y = task.train_batch(s)
-        return x * scale, y
+        return torch.cat([x * scale] * copies), torch.cat([y] * copies)
 
-    return dataclasses.replace(task, name="tiny_input", train_batch=batch)
+    return dataclasses.replace(task, name="tiny_input", train_batch=batch,
+                               samples_per_step=task.samples_per_step * copies)

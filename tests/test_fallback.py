@@ -18,7 +18,7 @@ import pytest
 
 from lowprec import recipes
 from lowprec.recipes import Fallback, Gemm, LinearRecipe, Operand, Recipe
-from lowprec.runs._config import CheckpointConfig, ParallelConfig, RunConfig, StatsConfig
+from lowprec.runs._config import CheckpointConfig, RunConfig, StatsConfig
 from lowprec.runs._runner import resume_run, run_config
 from lowprec.runs._store import RunStore
 
@@ -108,10 +108,3 @@ def test_resume_reproduces_the_curve_across_a_fallback(tmp_path: Path, crash: in
         rid = resume_run(failed.run_id, store=store, progress=False)
         assert np.array_equal(_loss(store, rid), _loss(store, ref))
         assert [e["step"] for e in store.events(rid, kind="fallback")] == [6]
-
-
-def test_fallback_refuses_data_parallel_runs(tmp_path: Path) -> None:
-    """Oracle: the documented limit (single process only), raised before any worker starts."""
-    cfg = _cfg(tmp_path, parallel=ParallelConfig(strategy="ddp", world_size=2))
-    with RunStore(cfg.store) as store, pytest.raises(ValueError, match="single-process runs only"):
-        run_config(cfg, store=store, progress=False)

@@ -114,6 +114,18 @@ class FallbackController:
         layer = self.layers[module]
         layer._setup(self.target, self.seed, layer.lowprec_name)  # keeps Parameters and existing buffers
 
+    def apply(self, decisions: Mapping[str, int]) -> None:
+        """Swap the layers of ``decisions`` (module -> step of the deciding sample) that have not fallen back yet:
+        decisions taken elsewhere, by the process whose statistics are watched (a data-parallel run's rank 0,
+        whose choices every replica must follow) or by the run a checkpoint was saved from.  ValueError when a
+        layer is not in the model."""
+        for module, step in decisions.items():
+            if module not in self.layers:
+                raise ValueError(f"fallback state names layer {module!r}, which the model does not have")
+            if module not in self.decisions:
+                self._swap(module)
+                self.decisions[module] = int(step)
+
     # -- checkpoints -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The decisions and the running counts (plain lists, ``torch.load(weights_only=True)``-safe)."""
@@ -123,10 +135,5 @@ class FallbackController:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Re-apply the saved decisions (swap those layers now: call this before loading the model's state dict)
         and restore the counts.  ValueError when a saved layer is not in the model."""
-        for module, step in state.get("decisions", []):
-            if module not in self.layers:
-                raise ValueError(f"fallback state names layer {module!r}, which the model does not have")
-            if module not in self.decisions:
-                self._swap(module)
-                self.decisions[module] = int(step)
+        self.apply(dict(state.get("decisions", [])))
         self.streaks = {(m, r, st): [int(x) for x in v] for m, r, st, v in state.get("streaks", [])}

@@ -91,6 +91,7 @@ def describe_payload(p: dict[str, Any]) -> str:
         "the model's input" if p["role"] == "input" and not p["module"] else
         f"{p['role']} of module {p['module'] or '<model>'!r} ({p['module_type']})")
     step = "" if p.get("step") is None else f" at step {p['step']}"
+    step += "" if p.get("rank") is None else f" on rank {p['rank']}"  # a data-parallel run's replay
     amax = "none" if p.get("finite_amax") is None else f"{p['finite_amax']:.4g}"
     text = (f"{where}{step}: shape {list(p['shape'])} {p['dtype']}, {p['nan']} NaN, {p['posinf']} +inf, "
             f"{p['neginf']} -inf, finite amax {amax}, first at index {tuple(p['first_index'])}")

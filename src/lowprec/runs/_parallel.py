@@ -106,8 +106,8 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
     def amax_max(t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
 
-    for m in model.modules():  # first-step delayed scales from the global batch (EmulatedLinear.amax_reduce)
-        if isinstance(m, EmulatedLinear) and m._delayed:
+    for m in model.modules():  # first-step delayed scales from the global batch (EmulatedLinear.amax_reduce);
+        if isinstance(m, EmulatedLinear):  # every layer: a fallback can move one to delayed scaling later
             m.amax_reduce = amax_max
 
     def sync() -> None:

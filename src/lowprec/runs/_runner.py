@@ -9,14 +9,17 @@ and the RNG state to continue exactly: ``resume`` gives the same curve, bit for 
 A non-finite loss, or a non-finite gradient norm that no loss scaler will skip, stops the run at that step: the
 values are recorded, with a ``diverged`` event naming the step, and the run is completed (a diverged run is a
 result the judge fails, not a crash).  Both values are computed every step anyway, so the check is free.  Before
-the optimizer step (parameters and optimizer state still those of the step's start) a single-process run then
-replays the step under ``lowprec.numerics.localize_nonfinite`` and records a ``nonfinite`` event naming the first
-module, tensor role and value summary.  For the replay to be exact, each step starts with a snapshot of what a
-forward/backward changes besides gradients: the module buffers (amax histories, stochastic-rounding counters,
-batch-norm statistics) and the CPU random generator; the batch is a pure function of (seed, step).  See
+the optimizer step (parameters and optimizer state still those of the step's start) the run then replays the
+step under ``lowprec.numerics.localize_nonfinite`` and records a ``nonfinite`` event naming the first module,
+tensor role and value summary; under data parallelism every rank replays its own shard and the event names the
+rank whose replay failed first (see ``_gather_localizations``).  For the replay to be exact, each step starts with
+a snapshot of what a forward/backward changes besides gradients: the module buffers (amax histories,
+stochastic-rounding counters, batch-norm statistics) and the CPU random generator; the batch is a pure function of
+(seed, step).  See
 ``docs/debugging.md`` for the measured cost.
 
-A recipe with a ``fallback`` policy (single process only) samples the tensor statistics (``[stats] every``, or
+A recipe with a ``fallback`` policy (single process or DDP, where rank 0 decides and every replica follows)
+samples the tensor statistics (``[stats] every``, or
 ``FALLBACK_EVERY``) and moves a layer whose statistics cross the policy's thresholds to the higher-precision
 ``LinearRecipe``, with a ``fallback`` event; the decisions and running counts travel in checkpoints, so a resumed
 run repeats the same fallbacks at the same steps.  An exception or Ctrl-C marks the run as failed with the reason, and
@@ -53,9 +56,11 @@ observer's cost at 50 is a few % of step time; see docs/numerics.md)."""
 
 
 def _check_fallback(config: RunConfig, world: World | None = None) -> None:
-    if config.parallel.strategy != "single" or (world is not None and world.distributed):
-        raise ValueError("recipe.fallback (automatic per-layer fallback) works in single-process runs only; set "
-                         "parallel.strategy = \"single\" or remove the recipe's fallback")
+    if config.parallel.strategy in SHARDED or (world is not None and world.strategy in SHARDED):
+        raise ValueError(f"recipe.fallback (automatic per-layer fallback) works in single-process and DDP runs, not "
+                         f"with parallel.strategy = {config.parallel.strategy!r}: FSDP2 shards each weight for the "
+                         f"recipe's all-gather format when the run starts; set parallel.strategy = \"ddp\" or "
+                         f"\"single\", or remove the recipe's fallback")
 
 
 def build_task(config: RunConfig, seed: int) -> Task:
@@ -99,10 +104,13 @@ class _State:
     step: int = 0
     observer: Any = None
     """``lowprec.numerics.StatsObserver`` on rank 0 when ``config.stats.every`` is set."""
-    snapshot: _Snapshot | None = None
-    """The start of the current step, for replaying it (single process only)."""
+    snapshot: _Snapshot = dataclasses.field(default_factory=lambda: _Snapshot())
+    """The start of the current step, for replaying it."""
     fallback: Any = None
-    """``lowprec.numerics.FallbackController`` when the recipe has a ``fallback`` policy."""
+    """``lowprec.numerics.FallbackController`` when the recipe has a ``fallback`` policy (on every rank: rank 0
+    decides from its statistics and every replica applies the decision)."""
+    sample_every: int | None = None
+    """The statistics' sampling interval (steps ``s`` with ``s % sample_every == 0`` are sampled)."""
 
 
 def _full_state(st: _State) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -205,13 +213,20 @@ def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
     return {f"eval/{k}": float(v) for k, v in metrics.items()}
 
 
-def _forward_backward(task: Task, st: _State, config: RunConfig, batch: int) -> tuple[torch.Tensor, float]:
-    """Forward and backward of batch ``batch`` (0-based), gradient norm and clipping: (local loss, norm)."""
+def _forward_backward(task: Task, st: _State, config: RunConfig, batch: int, *,
+                      replay: bool = False) -> tuple[torch.Tensor, float]:
+    """Forward and backward of batch ``batch`` (0-based), gradient norm and clipping: (local loss, norm).
+
+    ``replay``: the localisation replay of a failed step.  Under DDP it runs the inner module, so no gradient is
+    all-reduced (each rank's replay sees its own gradients, and a compression hook's state is not touched); the
+    amax histories are not MAX-reduced either.  Every rank replays, so FSDP2's all-gathers still pair up."""
     inputs, targets = st.world.shard(task.train_batch(batch))
-    loss = task.loss_fn(st.model(inputs), targets)
+    model = unwrap(st.model) if replay else st.model
+    loss = task.loss_fn(model(inputs), targets)
     st.optimizer.zero_grad()
     st.optimizer.scale_loss(loss).backward()
-    st.wrapped.after_backward()
+    if not replay:
+        st.wrapped.after_backward()
     params = [p for g in st.optimizer.param_groups for p in g["params"]]
     return loss, _grad_norm_and_clip(params, st.optimizer.scaler.scale, config.optimizer.grad_clip)
 
@@ -247,56 +262,102 @@ def _same(a: float, b: float) -> bool:
 
 def _replay(task: Task, st: _State, config: RunConfig, snap: _Snapshot, loss: float, norm: float) -> dict[str, Any]:
     """Restore the step's start (``snap``; parameters and optimizer state are untouched before the optimizer step)
-    and run it again under ``localize_nonfinite``: the "nonfinite" event payload.  The replay's gradients replace
-    the original's (the same bits: ``replay_exact`` says whether loss and norm came out identical)."""
+    and run it again under ``localize_nonfinite``: the "nonfinite" event payload of this rank.  Afterwards the
+    original step's gradients, buffers and random state are put back, so the replay changes nothing that follows.
+
+    ``replay_exact`` says whether the replay reproduced the step: the same loss and gradient norm in one process;
+    under data parallelism this rank's loss (the replay's gradients are this rank's own, not all-reduced)."""
     from ..numerics import localize_nonfinite
 
     model = unwrap(st.model)
+    after = _Snapshot()
+    after.take(model)
+    params = [p for g in st.optimizer.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
     snap.restore(model)
     got: list[tuple[torch.Tensor, float]] = []
 
     def run_step() -> torch.Tensor:
-        got.append(_forward_backward(task, st, config, st.step))
+        got.append(_forward_backward(task, st, config, st.step, replay=True))
         return got[-1][0]
 
-    loc = localize_nonfinite(model, run_step, step=st.step + 1)
+    try:
+        loc = localize_nonfinite(model, run_step, step=st.step + 1)
+    finally:
+        after.restore(model)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
     r_loss, r_norm = float(got[0][0].detach()), got[0][1]
     payload: dict[str, Any] = loc.to_dict() if loc is not None else {
         "module": None, "role": None, "step": st.step + 1,
         "detail": "no tensor of the step was non-finite (e.g. the gradient norm overflowed from finite gradients)"}
-    payload.update(found=loc is not None, loss=repr(loss), grad_norm=repr(norm),
-                   replay_exact=_same(loss, r_loss) and _same(norm, r_norm))
+    exact = _same(loss, r_loss) and (st.world.distributed or _same(norm, r_norm))
+    payload.update(found=loc is not None, loss=repr(loss), grad_norm=repr(norm), replay_exact=exact)
     return payload
+
+
+def _gather_localizations(world: World, payload: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: the event payload of a data-parallel replay, from every rank's own.  A fault on one rank spreads to
+    all (the mean loss, the all-reduced gradients), so the ranks' replays are compared: the reported hit is the
+    earliest by phase (forward, then the loss, then backward), the lowest rank on a tie; ``rank`` names it and
+    ``ranks`` lists every rank whose replay found a non-finite tensor, with its one-line description."""
+    if not world.distributed:
+        return payload
+    import torch.distributed as dist
+
+    from ..numerics._localize import describe_payload
+
+    payload = {**payload, "rank": world.rank}
+    everyone: list[Any] = [None] * world.size
+    dist.all_gather_object(everyone, payload)
+    found = [p for p in everyone if p["found"]]
+    order = {"forward": 0, "loss": 1, "backward": 2}
+    best = min(found, key=lambda p: (order.get(p["phase"], 3), p["rank"])) if found else everyone[0]
+    return {**best, "world_size": world.size, "ranks": {str(p["rank"]): describe_payload(p) for p in found}}
 
 
 def _train_step(task: Task, st: _State, config: RunConfig, lr: float) -> tuple[dict[str, float], dict | None]:
     """One optimizer step: (scalars to log, None or the "nonfinite" payload when the loss or gradient norm is
-    non-finite; an empty dict when the step could not be replayed, as in a data-parallel run)."""
+    non-finite)."""
     t0 = time.perf_counter()
     for group in st.optimizer.param_groups:
         group["lr"] = lr
     if st.observer is not None:
         st.observer.step(st.step)
     snap = st.snapshot
-    if snap is not None:
-        snap.take(unwrap(st.model))
+    snap.take(unwrap(st.model))
     loss, norm = _forward_backward(task, st, config, st.step)
     global_loss = st.world.mean(loss)
+    comm = None if st.wrapped.comm_bytes is None else float(st.wrapped.comm_bytes())
     bad: dict[str, Any] | None = None
     replay_s = 0.0
+    # every rank takes this branch together: the loss is the all-reduced mean, and the gradient norm is of the
+    # all-reduced (DDP) or sharded (FSDP2) gradients
     if not math.isfinite(global_loss) or (not math.isfinite(norm) and not st.optimizer.scaler.enabled):
-        bad = {}
-        if snap is not None:
-            t1 = time.perf_counter()
-            bad = _replay(task, st, config, snap, float(loss.detach()), norm)
-            replay_s = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        bad = _gather_localizations(st.world, _replay(task, st, config, snap, float(loss.detach()), norm))
+        if st.wrapped.comm_bytes is not None:
+            st.wrapped.comm_bytes()  # drop what the replay's all-gathers added (FSDP2)
+        replay_s = time.perf_counter() - t1
     st.optimizer.step()
     dt = time.perf_counter() - t0 - replay_s
     out = {"train/loss": global_loss, "train/grad_norm": norm, "train/lr": lr, "train/step_time_s": dt,
            "train/samples_per_s": task.samples_per_step / dt}
-    if st.wrapped.comm_bytes is not None:
-        out["comm/bytes_sent"] = float(st.wrapped.comm_bytes())
+    if comm is not None:
+        out["comm/bytes_sent"] = comm
     return out, bad
+
+
+def _share_fallbacks(st: _State) -> None:
+    """DDP with a fallback policy, after a sampled step: every replica applies rank 0's decisions (rank 0 samples
+    the statistics of its batch shard), so the replicas keep computing the same arithmetic."""
+    if st.fallback is None or not st.world.distributed or not st.sample_every or (st.step - 1) % st.sample_every:
+        return
+    decided = st.world.broadcast(dict(st.fallback.decisions) if st.world.is_main else None)
+    if not st.world.is_main:
+        st.fallback.apply(decided)
 
 
 def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: str, progress: Progress) -> None:
@@ -320,6 +381,7 @@ def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: st
                                     payload={**event, "applies_from_step": st.step + 1})
             store.log_scalars(run_id, st.step, values)
             progress.update(st.step, loss=values["train/loss"])
+        _share_fallbacks(st)
         if diverged:
             if main and bad:
                 store.add_event(run_id, step=st.step, kind="nonfinite", payload=bad)
@@ -374,13 +436,15 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
 
         return jax_train(config, seed=seed, store=store, resume=resume, progress=progress, run_id=run_id)
     world = world or World()
+    if world.distributed and world.strategy != config.parallel.strategy:
+        raise ValueError(f"parallel.strategy is {config.parallel.strategy!r} but the process group was set up for "
+                         f"{world.strategy!r}: pass init_world(config.parallel.strategy, ...) as world")
     if config.threads:
         torch.set_num_threads(config.threads)
     task = build_task(config, seed)
     config = config.for_seed(seed).resolve({**task.defaults, "batch_size": task.samples_per_step})
     wrapped = wrap_model(convert(task.model, config.recipe), config.recipe, world)
-    st = _State(model=wrapped.model, optimizer=make_optimizer(config, wrapped.model), world=world, wrapped=wrapped,
-                snapshot=None if world.distributed else _Snapshot())
+    st = _State(model=wrapped.model, optimizer=make_optimizer(config, wrapped.model), world=world, wrapped=wrapped)
     policy = config.recipe.fallback
     if policy is not None:
         _check_fallback(config, world)
@@ -389,6 +453,7 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
         st.fallback = FallbackController(unwrap(st.model), policy, seed=config.recipe.seed)
     rid = _open_run(config, task, st, store, seed=seed, resume=resume, run_id=run_id)
     every = config.stats.every or (FALLBACK_EVERY if policy is not None else None)
+    st.sample_every = every
     if every and world.is_main:
         from ..numerics import StatsObserver
 

@@ -1,0 +1,48 @@
+"""Under torchrun (2 ranks): the data-parallel runs of tests/test_dist_numerics.py in one launch.
+
+argv: STORE.  Groups: "loc/<strategy>/<fault>" (a fault injected on rank 1 only at batch 3: ``overflow_at``, a
+forward overflow, or ``nan_grad_at``, a NaN in one backward gradient; DDP and FSDP2) and "fallback/ddp" (the
+``tiny_input`` run of tests/test_fallback.py under DDP, with the same fallback policy, each rank training on the
+same rows: ``copies = 2``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch.distributed as dist
+
+from lowprec import recipes
+from lowprec.recipes import Fallback
+from lowprec.runs._config import ParallelConfig, RunConfig, StatsConfig
+from lowprec.runs._parallel import init_world
+from lowprec.runs._runner import train
+from lowprec.runs._store import RunStore
+
+FAULT_STEP = 3
+POLICY = Fallback(underflow_pct=50, sqnr_db=10, patience=2, to="bf16")
+
+
+def main() -> None:
+    store_path = sys.argv[1]
+    world = init_world("ddp")
+    with RunStore(store_path) as store:
+        for strategy in ("ddp", "fsdp2"):
+            for fault in ("overflow_at", "nan_grad_at"):
+                cfg = RunConfig(model=f"_faulty_tasks:{fault}", model_options={"step": FAULT_STEP, "rank": 1},
+                                steps=8, eval_interval=4, threads=1, recipe=recipes.get("fp8-tensorwise"),
+                                parallel=ParallelConfig(strategy=strategy, world_size=2), store=store_path,
+                                group=f"loc/{strategy}/{fault}")
+                train(cfg, seed=0, store=store, world=dataclasses.replace(world, strategy=strategy), progress=False)
+        recipe = dataclasses.replace(recipes.get("fp8-unscaled"), fallback=POLICY)
+        cfg = RunConfig(model="_faulty_tasks:tiny_input", model_options={"copies": 2}, batch_size=64, steps=16,
+                        eval_interval=8, threads=1, recipe=recipe,
+                        stats=StatsConfig(every=5), parallel=ParallelConfig(strategy="ddp", world_size=2),
+                        store=store_path, group="fallback/ddp")
+        train(cfg, seed=0, store=store, world=world, progress=False)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
