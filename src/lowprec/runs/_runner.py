@@ -15,15 +15,13 @@ tensor role and value summary; under data parallelism every rank replays its own
 rank whose replay failed first (see ``_gather_localizations``).  For the replay to be exact, each step starts with
 a snapshot of what a forward/backward changes besides gradients: the module buffers (amax histories,
 stochastic-rounding counters, batch-norm statistics) and the CPU random generator; the batch is a pure function of
-(seed, step).  See
-``docs/debugging.md`` for the measured cost.
+(seed, step).  See ``docs/debugging.md`` for the measured cost.
 
 A recipe with a ``fallback`` policy (single process or DDP, where rank 0 decides and every replica follows)
-samples the tensor statistics (``[stats] every``, or
-``FALLBACK_EVERY``) and moves a layer whose statistics cross the policy's thresholds to the higher-precision
-``LinearRecipe``, with a ``fallback`` event; the decisions and running counts travel in checkpoints, so a resumed
-run repeats the same fallbacks at the same steps.  An exception or Ctrl-C marks the run as failed with the reason, and
-re-raises.
+samples the tensor statistics (``[stats] every``, or ``FALLBACK_EVERY``) and moves a layer whose statistics cross
+the policy's thresholds to the higher-precision ``LinearRecipe``, with a ``fallback`` event; the decisions and
+running counts travel in checkpoints, so a resumed run repeats the same fallbacks at the same steps.  An exception
+or Ctrl-C marks the run as failed with the reason, and re-raises.
 """
 
 from __future__ import annotations
