@@ -42,7 +42,7 @@ from typing import Any
 
 from ..quant import QuantSpec
 from ..recipes import Gemm, LinearRecipe, Operand, Recipe
-from ._sensitivity import METRICS, LayerSensitivity, resolve_candidate
+from ._sensitivity import LayerSensitivity, _check_metric, resolve_candidate
 
 
 def storage_bits(spec: QuantSpec | None, shape: tuple[int, int]) -> int:
@@ -198,8 +198,7 @@ def choose_precision(table: Sequence[LayerSensitivity], *, budget_bits: float,
     a row for every candidate.  ``metric`` is what is minimised: "sqnr" (the summed output noise powers, the
     default) or "probe" (the summed ``probe_delta``: fill them in with ``training_probe`` first).
     """
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
+    _check_metric(metric)
     if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not budget_bits > 0:
         raise ValueError(f"budget_bits must be a positive number of bits per element; got {budget_bits!r}")
     rows: dict[str, dict[str, LayerSensitivity]] = {}

@@ -61,6 +61,8 @@ def _noise(db: float) -> float:
     if math.isnan(db):
         return math.inf
     return 0.0 if db == math.inf else 10.0 ** (-db / 10.0)
+
+
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
