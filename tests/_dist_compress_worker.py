@@ -183,6 +183,7 @@ def main() -> None:
     result["ef_off"] = error_feedback(world, rank, False)
     result["nan"] = nan_check(world, rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears down gloo while a peer may still talk to it
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ same rows: ``copies = 2``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 
 import torch.distributed as dist
@@ -35,12 +36,16 @@ def main() -> None:
                                 parallel=ParallelConfig(strategy=strategy, world_size=2), store=store_path,
                                 group=f"loc/{strategy}/{fault}")
                 train(cfg, seed=0, store=store, world=dataclasses.replace(world, strategy=strategy), progress=False)
+                print(f"rank {world.rank}: {cfg.group} done", flush=True)
         recipe = dataclasses.replace(recipes.get("fp8-unscaled"), fallback=POLICY)
         cfg = RunConfig(model="_faulty_tasks:tiny_input", model_options={"copies": 2}, batch_size=64, steps=16,
                         eval_interval=8, threads=1, recipe=recipe,
                         stats=StatsConfig(every=5), parallel=ParallelConfig(strategy="ddp", world_size=2),
                         store=store_path, group="fallback/ddp")
         train(cfg, seed=0, store=store, world=world, progress=False)
+        print(f"rank {world.rank}: {cfg.group} done", flush=True)
+    gc.collect()  # the runs' wrapped models go before their process group
+    dist.barrier()  # no rank tears down gloo while a peer may still talk to it
     dist.destroy_process_group()
 
 

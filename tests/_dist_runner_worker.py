@@ -51,6 +51,7 @@ def main() -> None:
                             recipe=recipe, parallel=par, group=f"comm/{name}", store=store_path)
             for seed in COMM_SEEDS:
                 train(cfg, seed=seed, store=store, world=world, progress=False)
+    dist.barrier()  # no rank tears down gloo while a peer may still talk to it
     dist.destroy_process_group()
 
 

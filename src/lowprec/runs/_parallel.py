@@ -80,7 +80,6 @@ class World:
             dist.barrier()
 
 
-
 @dataclasses.dataclass
 class Wrapped:
     """The model as trained, and the per-step hooks its layout needs."""
