@@ -6,6 +6,7 @@ parameters and amax histories (hex digests), bytes gathered, low-precision gathe
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import sys
@@ -149,7 +150,8 @@ def main() -> None:
     # one file per rank: two ranks printing long lines to one pipe can interleave them
     with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
         json.dump({"rank": rank, "cases": results}, f)
-    dist.barrier()
+    gc.collect()  # the DDP/FSDP2 models' reference cycles: freed now, not during interpreter shutdown
+    dist.barrier()  # no rank tears down gloo while a peer may still talk to it
     dist.destroy_process_group()
 
 

@@ -27,6 +27,7 @@ or Ctrl-C marks the run as failed with the reason, and re-raises.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..nn import convert
+from ..nn import EmulatedLinear, convert
 from ..optim import LowPrecisionOptimizer
 from ._checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint, save_checkpoint
 from ._config import RunConfig
@@ -231,12 +232,15 @@ def _forward_backward(task: Task, st: _State, config: RunConfig, batch: int, *,
 
 class _Snapshot:
     """What a forward/backward changes besides gradients: the module buffers (copied into storage kept between
-    steps: one ``_foreach_copy_``) and the CPU random state.  Parameters and optimizer state need no copy: the
+    steps: one ``_foreach_copy_``), the CPU random state, and which delayed-scaling roles of each
+    ``EmulatedLinear`` have started (a Python set: on a role's first training step a data-parallel run MAX-reduces
+    its current amax, so a replay of that step must do so again).  Parameters and optimizer state need no copy: the
     check runs before the optimizer step."""
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
         self.rng = torch.empty(0, dtype=torch.uint8)
+        self.started: list[tuple[EmulatedLinear, frozenset[str]]] = []
 
     def take(self, model: torch.nn.Module) -> None:
         bufs = [b.detach() for b in model.buffers()]
@@ -246,12 +250,16 @@ class _Snapshot:
         elif bufs:
             torch._foreach_copy_(self.buffers, bufs)
         self.rng = torch.get_rng_state()
+        self.started = [(m, frozenset(m._amax_started)) for m in model.modules()
+                        if isinstance(m, EmulatedLinear) and m._delayed]
 
     def restore(self, model: torch.nn.Module) -> None:
         with torch.no_grad():
             for b, saved in zip(model.buffers(), self.buffers, strict=True):
                 b.copy_(saved)
         torch.set_rng_state(self.rng)
+        for m, started in self.started:
+            m._amax_started = set(started)
 
 
 def _same(a: float, b: float) -> bool:
@@ -437,6 +445,21 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
     if world.distributed and world.strategy != config.parallel.strategy:
         raise ValueError(f"parallel.strategy is {config.parallel.strategy!r} but the process group was set up for "
                          f"{world.strategy!r}: pass init_world(config.parallel.strategy, ...) as world")
+    try:
+        return _train_torch(config, seed=seed, store=store, resume=resume, progress=progress, world=world,
+                            run_id=run_id)
+    finally:
+        if world.distributed:
+            # The wrapped model (FSDP2's and DDP's state included) sits in reference cycles, which only the
+            # cyclic collector frees: left to it, it can outlive destroy_process_group and be freed while the
+            # interpreter shuts down, when a C++ thread that has to take the GIL to drop a Python reference is
+            # ended with pthread_exit, which aborts the rank ("terminate called without an active exception", as
+            # a CI run once saw).  Free it here, while the process group and the interpreter are alive.
+            gc.collect()
+
+
+def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str | None, progress: bool,
+                 world: World, run_id: str | None) -> str:
     if config.threads:
         torch.set_num_threads(config.threads)
     task = build_task(config, seed)
