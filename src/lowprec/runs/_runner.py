@@ -453,13 +453,14 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
             # The wrapped model (FSDP2's and DDP's state included) sits in reference cycles, which only the
             # cyclic collector frees: left to it, it can outlive destroy_process_group and be freed while the
             # interpreter shuts down, when a C++ thread that has to take the GIL to drop a Python reference is
-            # ended with pthread_exit, which aborts the rank ("terminate called without an active exception", as
-            # a CI run once saw).  Free it here, while the process group and the interpreter are alive.
+            # ended with pthread_exit, which aborts the rank with "terminate called without an active exception"
+            # (the likely cause of such an abort in one CI run).  Free it now, while both are alive.
             gc.collect()
 
 
 def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str | None, progress: bool,
                  world: World, run_id: str | None) -> str:
+    """``train`` for ``framework = "torch"``, once ``world`` is checked against the config."""
     if config.threads:
         torch.set_num_threads(config.threads)
     task = build_task(config, seed)
