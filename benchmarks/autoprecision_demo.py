@@ -56,7 +56,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from lowprec._cli_precision import calibrate, eval_batches, probe_trainer
 from lowprec.numerics._autoprecision import (
     PrecisionPlan,
     choose_precision,
@@ -70,6 +69,7 @@ from lowprec.runs._baseline import RunData
 from lowprec.runs._config import RunConfig
 from lowprec.runs._runner import run_config
 from lowprec.runs._store import RunStore
+from lowprec.runs._trained import calibrate, eval_batches, probe_trainer
 from lowprec.runs._workflow import judge_groups, run_baseline
 
 CANDIDATES = ["mxfp4", "mxfp6_e2m3", "mxfp8_e4m3", "bfloat16"]

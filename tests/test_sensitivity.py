@@ -160,7 +160,7 @@ def _config(tmp_path: Path) -> Path:
 
 def test_cli_prints_a_ranked_table_and_stores_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Oracle: the stored event read back, and layer_sensitivity on the stored run's model with the same batches."""
-    from lowprec._cli_precision import eval_batches, load_trained
+    from lowprec.runs._trained import eval_batches, load_trained
 
     assert main(["sensitivity", str(_config(tmp_path)), "--spec", "mxfp4", "--batches", "2", "--quiet"]) == 0
     out = capsys.readouterr().out
