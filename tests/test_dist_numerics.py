@@ -125,7 +125,7 @@ def test_ddp_fallback_is_applied_on_every_replica(store_path: str, tmp_path: Pat
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_no_module_of_a_finished_run_outlives_train(store_path: str, rank: int) -> None:
-    """After five DDP/FSDP2 runs (four diverged mid-run) nothing of their wrapped models is alive: train() collects
+    """After six DDP/FSDP2 runs (five diverged mid-run) nothing of their wrapped models is alive: train() collects
     the reference cycles FSDP2/DDP build, so nothing is left to be freed during interpreter shutdown.  Without the
     collection the ranks held 16 and 18 modules here (the cycles had not been collected on their own)."""
     assert Path(f"{store_path}.rank{rank}.alive").read_text() == "0"
