@@ -127,7 +127,7 @@ def test_ddp_fallback_is_applied_on_every_replica(store_path: str, tmp_path: Pat
 def test_no_module_of_a_finished_run_outlives_train(store_path: str, rank: int) -> None:
     """After six DDP/FSDP2 runs (five diverged mid-run) nothing of their wrapped models is alive: train() collects
     the reference cycles FSDP2/DDP build, so nothing is left to be freed during interpreter shutdown.  Without the
-    collection the ranks held 16 and 18 modules here (the cycles had not been collected on their own)."""
+    collection the ranks held 16 and 20 modules here (the cycles had not been collected on their own)."""
     assert Path(f"{store_path}.rank{rank}.alive").read_text() == "0"
 
 
