@@ -44,12 +44,13 @@ def applies(x: torch.Tensor, spec: QuantSpec) -> bool:
     )
 
 
-_KEYS_REPLAY: dict[QuantSpec, int] = {}
+_KEYS_AGAIN: dict[QuantSpec, int] = {}
+"""Keys of second quantizations in one graph (``call(..., after=...)``): other numbers for the same specs."""
 
 
 @torch._dynamo.assume_constant_result
-def _key(spec: QuantSpec, replay: bool) -> int:
-    keys = _KEYS_REPLAY if replay else _KEYS
+def _key(spec: QuantSpec, again: bool) -> int:
+    keys = _KEYS_AGAIN if again else _KEYS
     key = keys.get(spec)
     if key is None:
         key = keys[spec] = len(_SPECS)
