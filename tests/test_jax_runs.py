@@ -23,6 +23,7 @@ import pytest
 from lowprec import recipes
 from lowprec.runs._baseline import RunData
 from lowprec.runs._checkpoint import checkpoint_dir, list_checkpoints
+from lowprec.runs._resume import Candidate, choose
 from lowprec.runs._config import CheckpointConfig, OptimizerConfig, ParallelConfig, RunConfig
 from lowprec.runs._jax_runner import jax_train
 from lowprec.runs._report import write_report
@@ -276,21 +277,31 @@ def test_jax_resume_after_a_failure_equals_the_uninterrupted_run(gpt, monkeypatc
     assert [s for s, _ in list_checkpoints(ckdir)] == [20, 30]
 
 
-def test_jax_resume_refuses_torch_runs_and_torch_checkpoints(gpt) -> None:
-    """Oracle: the store's record of the framework that wrote a run, and the checkpoint's own ``framework`` field.
-    Resuming a PyTorch run as JAX, or a JAX run whose newest checkpoint a PyTorch run wrote, raises a ValueError
-    naming the fix, before the run's record is touched."""
+def _all_but_newest(c: Candidate) -> Candidate:
+    """A ``usable`` for ``choose`` that refuses the run's own final checkpoint, so the planted one of the step
+    before is the next candidate examined (and refused: no usable checkpoint is left)."""
+    if c.step == GPT_STEPS:
+        raise ValueError("pretend the final checkpoint is corrupted")
+    return c
+
+
+def test_jax_resume_refuses_torch_runs_and_torch_checkpoints(gpt, capsys: pytest.CaptureFixture[str]) -> None:
+    """Oracle: the store's record of the framework that wrote a run, and of the checkpoints it wrote.  Resuming a
+    PyTorch run as JAX raises a ValueError naming the fix, before the run's record is touched; a PyTorch checkpoint
+    planted in a JAX run's folder is not loaded (the store has no record of it), and a completed run is refused."""
     store: RunStore = gpt["store"]
     torch_id = gpt["baseline"].run_ids[0]
     with pytest.raises(ValueError, match=f"run {torch_id} is a torch run.*lowprec run --resume {torch_id}"):
         jax_train(gpt["jax_cfg"], seed=0, store=store, resume=torch_id, progress=False)
     assert store.get_run(torch_id).status == "completed"
+    with pytest.raises(ValueError, match="is completed: there is nothing to resume"):
+        resume_run(gpt["jax_bad"], store=store, progress=False)
     torch_ckpt = list_checkpoints(checkpoint_dir(gpt["cfg"].store, torch_id))[-1][1]
-    planted = checkpoint_dir(gpt["cfg"].store, gpt["jax_bad"]) / f"step-{GPT_STEPS + 1:08d}.ckpt"
+    planted = checkpoint_dir(gpt["cfg"].store, gpt["jax_bad"]) / f"step-{GPT_STEPS - 1:08d}.ckpt"
     planted.write_bytes(torch_ckpt.read_bytes())
     try:
-        with pytest.raises(ValueError, match='written by the PyTorch runner.*framework = "torch"'):
-            resume_run(gpt["jax_bad"], store=store, progress=False)
+        with pytest.raises(ValueError, match=re.escape(f"{planted}' was not written by run")):
+            choose(store, store.get_run(gpt["jax_bad"]), planted.parent, _all_but_newest, allow_restart=False)
     finally:
         planted.unlink()
     assert store.get_run(gpt["jax_bad"]).status == "completed"
@@ -306,9 +317,9 @@ def test_docs_jax_run_config_example_is_valid() -> None:
 
 
 def test_torch_resume_refuses_jax_runs_and_jax_checkpoints(gpt) -> None:
-    """Oracle: the store's record of the framework that wrote a run, and the checkpoint's own ``framework`` field.
-    The PyTorch runner refuses to continue a JAX run, or a PyTorch run whose newest checkpoint a JAX run wrote,
-    with a ValueError naming the fix, before the run's record is touched."""
+    """Oracle: the store's record of the framework that wrote a run, and of the checkpoints it wrote.  The PyTorch
+    runner refuses to continue a JAX run with a ValueError naming the fix, before the run's record is touched; a
+    JAX checkpoint planted in a PyTorch run's folder is not loaded."""
     store: RunStore = gpt["store"]
     jax_id = gpt["jax_fp8"]
     with pytest.raises(ValueError, match=f"run {jax_id} is a framework = 'jax' run.*--resume {jax_id}"):
@@ -316,11 +327,11 @@ def test_torch_resume_refuses_jax_runs_and_jax_checkpoints(gpt) -> None:
     assert store.get_run(jax_id).status == "completed"
     torch_id = gpt["baseline"].run_ids[1]
     jax_ckpt = list_checkpoints(checkpoint_dir(gpt["cfg"].store, jax_id))[-1][1]
-    planted = checkpoint_dir(gpt["cfg"].store, torch_id) / f"step-{GPT_STEPS + 1:08d}.ckpt"
+    planted = checkpoint_dir(gpt["cfg"].store, torch_id) / f"step-{GPT_STEPS - 1:08d}.ckpt"
     planted.write_bytes(jax_ckpt.read_bytes())
     try:
-        with pytest.raises(ValueError, match="written by a framework = 'jax' run"):
-            resume_run(torch_id, store=store, progress=False)
+        with pytest.raises(ValueError, match=re.escape(f"{planted}' was not written by run")):
+            choose(store, store.get_run(torch_id), planted.parent, _all_but_newest, allow_restart=False)
     finally:
         planted.unlink()
     assert store.get_run(torch_id).status == "completed"

@@ -22,10 +22,12 @@ def store_path(args: argparse.Namespace, config: RunConfig | None = None) -> str
     return config.store if config is not None else DEFAULT_STORE
 
 
-def open_store(path: str) -> Any:
+def open_store(path: str, *, create: bool = True) -> Any:
+    """The run store at ``path``.  Reading commands pass ``create=False``: a missing store (a mistyped --store) is
+    an error naming the path, not a new empty store; commands that record runs create it."""
     from .runs._store import RunStore
 
-    return RunStore(path)
+    return RunStore(path, create=create)
 
 
 def config_with_overrides(args: argparse.Namespace) -> RunConfig:
@@ -52,9 +54,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.world_size is not None and not args.resume:
         raise ValueError("--world-size goes with --resume; for a new run set parallel.world_size in the config")
+    if args.allow_restart and not args.resume:
+        raise ValueError("--allow-restart goes with --resume RUN_ID")
     if args.resume:
         with open_store(store_path(args)) as store:
-            run_id = resume_run(args.resume, store=store, progress=not args.quiet, world_size=args.world_size)
+            run_id = resume_run(args.resume, store=store, progress=not args.quiet, world_size=args.world_size,
+                                allow_restart=args.allow_restart)
             print(f"resumed run {run_id}: {store.get_run(run_id).status}")
         return 0
     if not args.config:
@@ -78,7 +83,13 @@ def _last(scalars: dict[str, Any], key: str) -> str:
 
 
 def _run_line(rec: Any, store: Any) -> str:
-    sc = store.scalars(rec.run_id)
+    from .runs._store import StoreCorrupt
+
+    try:
+        sc = store.scalars(rec.run_id)
+    except StoreCorrupt:
+        return (f"{rec.run_id}  {'CORRUPT':<9} {'-':>6}  {rec.name:<40} stored values do not match their checksums: "
+                f"lowprec store check --store {store.path}")
     evals = "  ".join(f"{k[5:]}={_last(sc, k)}" for k in sorted(sc) if k.startswith("eval/"))
     steps = int(sc["train/loss"][0][-1]) if "train/loss" in sc and len(sc["train/loss"][0]) else 0
     loss = _last(sc, "train/loss")
@@ -86,19 +97,26 @@ def _run_line(rec: Any, store: Any) -> str:
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
-    with open_store(store_path(args)) as store:
-        runs = store.list_runs(group=args.group, status=args.status)
+    from .runs._store import StoreCorrupt
+
+    with open_store(store_path(args), create=False) as store:
+        runs = store.list_runs(group=args.group, status=args.status, verify=False)  # a corrupt run is flagged below
         if not runs:
             print("no runs" + (f" in group {args.group!r}" if args.group else ""))
             return 0
         print(f"{'id':<12}  {'status':<9} {'steps':>6}  {'name':<40} last values")
         for rec in runs:
-            print(_run_line(rec, store))
+            try:
+                line = _run_line(store.get_run(rec.run_id), store)  # verified record; _run_line flags bad scalars
+            except StoreCorrupt:
+                line = (f"{rec.run_id}  {'CORRUPT':<9} {'-':>6}  {rec.name:<40} its record does not match its "
+                        f"checksum: lowprec store check --store {store.path}")
+            print(line)
     return 0
 
 
 def cmd_runs_show(args: argparse.Namespace) -> int:
-    with open_store(store_path(args)) as store:
+    with open_store(store_path(args), create=False) as store:
         rec = store.get_run(args.run_id)
         sc = store.scalars(rec.run_id)
         events = store.events(rec.run_id)
@@ -124,7 +142,7 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
 def cmd_runs_export(args: argparse.Namespace) -> int:
     from .runs._export import export_run, export_tensorboard
 
-    with open_store(store_path(args)) as store:
+    with open_store(store_path(args), create=False) as store:
         run_id = store.get_run(args.run_id).run_id
         if args.format == "tensorboard":
             out = export_tensorboard(store, run_id, args.out or f"tb/{run_id}")
@@ -155,7 +173,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from .numerics import records_from_scalars, worst_layers
 
-    with open_store(store_path(args)) as store:
+    with open_store(store_path(args), create=False) as store:
         rec = store.get_run(args.run_id)
         records = records_from_scalars(store.scalars(rec.run_id))
     if not records:
@@ -180,7 +198,12 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("--seeds", type=int, nargs="+", metavar="S", help="override the config's seeds")
     r.add_argument("--steps", type=int, help="override the config's steps")
     r.add_argument("--recipe", metavar="NAME", help="override the config's recipe with a named one")
-    r.add_argument("--resume", metavar="RUN_ID", help="continue a stored run from its newest checkpoint")
+    r.add_argument("--resume", metavar="RUN_ID",
+                   help="continue a stored (failed or killed) run from its newest usable checkpoint, the one next to "
+                        "the store that holds it; a completed run is refused")
+    r.add_argument("--allow-restart", action="store_true",
+                   help="with --resume: when no usable checkpoint reaches the steps the store holds, start the run "
+                        "over from step 0, deleting its recorded steps (refused without this flag)")
     r.add_argument("--world-size", type=int, metavar="N",
                    help="with --resume: continue on N data-parallel processes (1 = a single process)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -54,12 +54,13 @@ from torch import nn
 
 from .. import jax as lj
 from ..recipes import Recipe
-from ._checkpoint import checkpoint_dir, latest_valid, list_checkpoints, save_checkpoint
+from ._checkpoint import checkpoint_digest, checkpoint_dir, load_checkpoint, save_checkpoint
 from ._config import OptimizerConfig, RunConfig
 from ._jax_models import Plan, cross_entropy, forward, initial_params, initial_states, model_plan
 from ._manifest import build_manifest
 from ._progress import Progress
 from ._runner import build_task
+from ._resume import RECORDS_KEY, Candidate, check_resumable, choose, record_checkpoint
 from ._store import RunStore
 from .zoo import Task
 
@@ -149,6 +150,7 @@ def jax_manifest(config: RunConfig, task: Task, seed: int) -> dict[str, Any]:
     m["hardware"]["jax_backend"] = jax.default_backend()
     m["hardware"]["jax_device"] = str(jax.devices()[0].device_kind)
     m["world_size"] = 1
+    m[RECORDS_KEY] = True
     return m
 
 
@@ -184,37 +186,48 @@ def _unpack(packed: dict[str, Any], like: TrainState, where: str) -> TrainState:
         for b, leaf, (_, shape) in zip(packed["bytes"], leaves, got, strict=True)])
 
 
-def _save(config: RunConfig, run_id: str, step: int, tree: TrainState) -> None:
+def _save(config: RunConfig, run_id: str, step: int, tree: TrainState, store: RunStore) -> None:
     state = {"framework": "jax", "run_id": run_id, "step": step, "config": config.to_dict(), "world_size": 1,
              "jax_state": _pack(tree)}
-    save_checkpoint(checkpoint_dir(config.store, run_id), step, state, keep=config.checkpoint.keep)
+    path = save_checkpoint(checkpoint_dir(store.path, run_id), step, state, keep=config.checkpoint.keep)
+    record_checkpoint(store, run_id, step, "file", checkpoint_digest(path))
 
 
-def _restore(config: RunConfig, run_id: str, store: RunStore, like: TrainState) -> tuple[int, TrainState]:
-    """The newest checkpoint of ``run_id`` that verifies: ``(step, state)`` (``(0, like)`` when the run wrote none,
-    as the PyTorch runner does), and the store reopened from that step with a "resumed" event."""
+def _restore(run_id: str, store: RunStore, like: TrainState, *, allow_restart: bool) -> tuple[int, TrainState]:
+    """Where run ``run_id`` continues, by the PyTorch runner's rules (``_resume``): ``(step, state)`` of its newest
+    usable checkpoint (``(0, like)`` when it wrote none), and the store reopened from that step with a "resumed"
+    event."""
     record = store.get_run(run_id)
     framework = record.manifest.get("framework", "torch")
     if framework != "jax" or record.config.get("framework", "torch") != "jax":
         raise ValueError(f"run {run_id} is a {framework} run: its checkpoints cannot be resumed as framework = "
                          f"\"jax\"; resume it with its stored config (lowprec run --resume {run_id})")
-    directory = checkpoint_dir(config.store, run_id)
-    step, tree = 0, like
-    if list_checkpoints(directory):
-        step, state, problems = latest_valid(directory)
-        for p in problems:
-            print(f"lowprec: warning: skipping {p}")
-        where = f"checkpoint of step {step} in {str(directory)!r}"
+    check_resumable(record)
+
+    def usable(c: Candidate) -> TrainState:
+        where = f"checkpoint {str(c.path)!r}"
+        if c.kind != "file":
+            raise ValueError(f"{where} is sharded (written by an FSDP2 run), not a JAX checkpoint")
+        state = load_checkpoint(c.path)
         if state.get("framework") != "jax" or "jax_state" not in state:
             raise ValueError(f"{where} was written by the PyTorch runner, not by a JAX run; resume it with "
                              "framework = \"torch\"")
-        if state.get("run_id") != run_id:
-            raise ValueError(f"{where} belongs to run {state.get('run_id')!r}, not {run_id!r}")
-        step, tree = int(state["step"]), _unpack(state["jax_state"], like, where)
+        if state.get("run_id") != run_id or state.get("step") != c.step:
+            raise ValueError(f"{where} belongs to run {state.get('run_id')!r} step {state.get('step')!r}, not to "
+                             f"run {run_id!r} step {c.step}")
+        return _unpack(state["jax_state"], like, where)
+
+    point = choose(store, record, checkpoint_dir(store.path, run_id), usable, allow_restart=allow_restart)
+    for p in point.problems:
+        print(f"lowprec: warning: skipping {p}")
+    if point.discarded:
+        print(f"lowprec: warning: run {run_id} starts over from step 0; its {point.discarded} recorded steps are "
+              "deleted")
+    step, tree = (point.step, point.loaded) if point.candidate is not None else (0, like)
     store.reopen_run(run_id, from_step=step)
-    store.add_event(run_id, step=step, kind="resumed", payload={"from_step": step, "world_size": 1,
-                                                                "checkpoint_world_size": 1 if step else None,
-                                                                "checkpoint": "file" if step else "none"})
+    store.add_event(run_id, step=step, kind="resumed", payload={
+        "from_step": step, "world_size": 1, "checkpoint_world_size": 1 if step else None,
+        "checkpoint": "file" if step else "none", "skipped": point.problems, "discarded_steps": point.discarded})
     return step, tree
 
 
@@ -252,8 +265,8 @@ def _loop(config: RunConfig, task: Task, fns: _Compiled, rid: str, store: RunSto
             store.add_event(rid, step=step, kind="diverged", payload={"loss": repr(loss_f), "grad_norm": repr(norm_f)})
             break
         if interval and step % interval == 0 and step < steps:
-            _save(config, rid, step, (params, states, opt_state))
-    _save(config, rid, step, (params, states, opt_state))
+            _save(config, rid, step, (params, states, opt_state), store)
+    _save(config, rid, step, (params, states, opt_state), store)
 
 
 def _np_batch(task: Task, step: int) -> tuple[jax.Array, jax.Array]:
@@ -262,7 +275,7 @@ def _np_batch(task: Task, step: int) -> tuple[jax.Array, jax.Array]:
 
 
 def jax_train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None = None, progress: bool = True,
-              run_id: str | None = None) -> str:
+              run_id: str | None = None, allow_restart: bool = False) -> str:
     """Train ``config`` (``framework = "jax"``) with ``seed`` in JAX and record it in ``store``, or continue run
     ``resume`` (a JAX run) from its newest valid checkpoint; returns the run id.
 
@@ -285,7 +298,7 @@ def jax_train(config: RunConfig, *, seed: int, store: RunStore, resume: str | No
     step = 0
     if resume is not None:
         rid = store.get_run(resume).run_id
-        step, tree = _restore(config, rid, store, tree)
+        step, tree = _restore(rid, store, tree, allow_restart=allow_restart)
     else:
         rid = store.create_run(name=f"{config.label} seed {seed}", config=config.to_dict(),
                                manifest=jax_manifest(config, task, seed), group=config.group or config.label,

@@ -26,9 +26,11 @@ or Ctrl-C marks the run as failed with the reason, and re-raises.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -37,12 +39,13 @@ import torch
 
 from ..nn import EmulatedLinear, convert
 from ..optim import LowPrecisionOptimizer
-from ._checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint, save_checkpoint
+from ._checkpoint import checkpoint_dir, checkpoint_digest, load_checkpoint, save_checkpoint
 from ._config import RunConfig
 from ._manifest import build_manifest
 from ._parallel import World, Wrapped, unwrap, wrap_model
 from ._progress import Progress
-from ._store import RunStore
+from ._resume import RECORDS_KEY, Candidate, ResumePoint, check_resumable, choose, record_checkpoint
+from ._store import RunRecord, RunStore
 from .zoo import Task, get_task
 
 SHARDED = ("fsdp2", "hsdp")
@@ -135,73 +138,132 @@ def _load_full_state(st: _State, model_sd: dict[str, Any], opt_sd: dict[str, Any
 
 
 
-def _checkpoint(config: RunConfig, run_id: str, st: _State) -> None:
+def _checkpoint(config: RunConfig, run_id: str, st: _State, store: RunStore) -> None:
     """Single/DDP: rank 0 saves the full state (replicas are identical) in one checksummed file.  FSDP2/HSDP: every
-    rank saves its shards with torch.distributed.checkpoint.  Either kind resumes on any world size and layout."""
-    directory = checkpoint_dir(config.store, run_id)
+    rank saves its shards with torch.distributed.checkpoint.  Either kind resumes on any world size and layout.
+    The files go next to the store that holds the run, and rank 0 records each one's digest in it (``_resume``)."""
+    directory = checkpoint_dir(store.path, run_id)
     extra = {"run_id": run_id, "step": st.step, "torch_rng": torch.get_rng_state(), "config": config.to_dict(),
              "world_size": st.world.size, "fallback": st.fallback.state_dict() if st.fallback is not None else None}
     if st.world.strategy in SHARDED:
-        from ._dcp import save_sharded
+        from ._dcp import manifest_digest, save_sharded
 
-        save_sharded(directory, st.step, st.model, st.optimizer, extra, keep=config.checkpoint.keep,
-                     is_main=st.world.is_main)
+        path = save_sharded(directory, st.step, st.model, st.optimizer, extra, keep=config.checkpoint.keep,
+                            is_main=st.world.is_main)
+        if st.world.is_main:
+            record_checkpoint(store, run_id, st.step, "sharded", manifest_digest(path))
         return
     model_sd, opt_sd = _full_state(st)
     if st.world.is_main:
-        save_checkpoint(directory, st.step, {**extra, "model": model_sd, "optimizer": opt_sd},
-                        keep=config.checkpoint.keep)
+        path = save_checkpoint(directory, st.step, {**extra, "model": model_sd, "optimizer": opt_sd},
+                               keep=config.checkpoint.keep)
+        record_checkpoint(store, run_id, st.step, "file", checkpoint_digest(path))
 
 
-def _pick_checkpoint(directory: Path) -> tuple[int, str, Path | None, list[str]]:
-    """The newest checkpoint that verifies: (step, "file" | "sharded" | "none", path, problems with newer ones)."""
-    from ._dcp import list_sharded, verify
-
-    found = [(step, "file", p) for step, p in list_checkpoints(directory)]
-    found += [(step, "sharded", p) for step, p in list_sharded(directory)]
-    problems: list[str] = []
-    for step, kind, path in sorted(found, reverse=True):
-        try:
-            load_checkpoint(path) if kind == "file" else verify(path)
-            return step, kind, path, problems
-        except ValueError as e:
-            problems.append(str(e))
-    if found:
-        raise ValueError(f"no usable checkpoint in {str(directory)!r} ({'; '.join(problems)}); the run cannot be "
-                         "resumed")
-    return 0, "none", None, problems
+_STATE_KEYS = ("run_id", "step", "torch_rng", "model", "optimizer")
 
 
-def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore) -> None:
+def _check_file_state(state: dict[str, Any], c: Candidate, run_id: str) -> None:
+    """``ValueError`` unless ``state`` (a verified file checkpoint) is a PyTorch checkpoint of step ``c.step`` of
+    ``run_id`` with every part the runner loads."""
+    where = f"checkpoint {str(c.path)!r}"
+    if state.get("framework", "torch") != "torch":
+        raise ValueError(f"{where} was written by a framework = {state.get('framework')!r} run; resume it with that "
+                         f"framework (lowprec run --resume {run_id} picks the run's own)")
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"{where} is not a lowprec training checkpoint (it has no {', '.join(missing)})")
+    if state["run_id"] != run_id:
+        raise ValueError(f"{where} belongs to run {state['run_id']!r}, not {run_id!r}")
+    if state["step"] != c.step:
+        raise ValueError(f"{where} holds step {state['step']!r}, not the step {c.step} its name says")
+
+
+def _load_file_state(st: _State, state: dict[str, Any]) -> None:
+    if st.fallback is not None:  # swap the fallen-back layers first: their buffers are in the state dict
+        st.fallback.load_state_dict(state.get("fallback") or {})
+    _load_full_state(st, state["model"], state["optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+
+
+def _pick(st: _State, store: RunStore, record: RunRecord, directory: Path, *,
+          allow_restart: bool) -> ResumePoint:
+    """Rank 0: where the run continues.  Outside FSDP2/HSDP a file checkpoint is tried by loading it into this
+    process's model and optimizer (a file whose checksum verifies but whose state does not fit is skipped like a
+    corrupted one); when every candidate fails, the initial state is put back."""
+    from ._dcp import verify
+
+    trial = st.world.strategy not in SHARDED
+    initial: tuple[dict[str, Any], dict[str, Any], Any] | None = None
+
+    def usable(c: Candidate) -> Any:
+        nonlocal initial
+        if c.kind == "sharded":
+            verify(c.path)
+            return None
+        state = load_checkpoint(c.path)
+        _check_file_state(state, c, record.run_id)
+        if trial:
+            if initial is None:
+                model_sd, opt_sd = _full_state(st)
+                initial = (copy.deepcopy(model_sd), copy.deepcopy(opt_sd), torch.get_rng_state())
+            try:
+                _load_file_state(st, state)
+            except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
+                raise ValueError(f"checkpoint {str(c.path)!r} verifies but does not fit this run's model and "
+                                 f"optimizer: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        return state
+
+    point = choose(store, record, directory, usable, allow_restart=allow_restart)
+    if point.candidate is None and initial is not None:
+        _load_full_state(st, initial[0], initial[1])
+        torch.set_rng_state(initial[2])
+    return point
+
+
+def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore, *, allow_restart: bool) -> None:
+    """Continue ``run_id`` where ``_resume.choose`` says (rank 0 decides; every rank loads), reopen it in the
+    store from that step and record a "resumed" event."""
     from ._dcp import load_sharded
 
-    picked = _pick_checkpoint(checkpoint_dir(config.store, run_id)) if st.world.is_main else None
-    step, kind, path, problems = st.world.broadcast(picked)
+    directory = checkpoint_dir(store.path, run_id)
+    picked: Any = None
+    loaded: Any = None
+    if st.world.is_main:
+        try:
+            point = _pick(st, store, store.get_run(run_id), directory, allow_restart=allow_restart)
+            c, loaded = point.candidate, point.loaded
+            picked = (point.step, c.kind if c else "none", c.path if c else None, point.problems, point.discarded)
+        except ValueError as e:
+            picked = str(e)
+    picked = st.world.broadcast(picked)
+    if isinstance(picked, str):  # every rank raises the same error
+        raise ValueError(picked)
+    step, kind, path, problems, discarded = picked
     for p in problems if st.world.is_main else []:
         print(f"lowprec: warning: skipping {p}")
+    if discarded and st.world.is_main:
+        print(f"lowprec: warning: run {run_id} starts over from step 0; its {discarded} recorded steps are deleted")
     state: dict[str, Any] | None = None
     if kind == "file":
-        state = load_checkpoint(path)
-        if state.get("framework", "torch") != "torch":
-            raise ValueError(f"checkpoint of step {step} of run {run_id} was written by a "
-                             f"framework = {state.get('framework')!r} run; resume it with that framework "
-                             f"(lowprec run --resume {run_id} picks the run's own)")
-        if st.fallback is not None:  # swap the fallen-back layers first: their buffers are in the state dict
-            st.fallback.load_state_dict(state.get("fallback") or {})
-        _load_full_state(st, state["model"], state["optimizer"])
+        if st.world.is_main and st.world.strategy not in SHARDED:
+            state = loaded  # loaded into this process's model and optimizer by _pick
+        else:
+            state = load_checkpoint(path)
+            _load_file_state(st, state)
     elif kind == "sharded":
         state = load_sharded(path, st.model if st.world.strategy in SHARDED else unwrap(st.model), st.optimizer)
-    if state is not None:
         if state.get("run_id") != run_id:
             raise ValueError(f"checkpoint of step {step} belongs to run {state.get('run_id')!r}, not {run_id!r}")
         torch.set_rng_state(state["torch_rng"])
+    if state is not None:
         st.step = int(state["step"])
     if st.world.is_main:
         store.reopen_run(run_id, from_step=st.step)
         store.add_event(run_id, step=st.step, kind="resumed",
                         payload={"from_step": st.step, "world_size": st.world.size,
                                  "checkpoint_world_size": (state or {}).get("world_size"),
-                                 "checkpoint": kind})
+                                 "checkpoint": kind, "skipped": list(problems), "discarded_steps": discarded})
 
 
 def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
@@ -397,57 +459,76 @@ def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: st
                                          "grad_norm": repr(values["train/grad_norm"])})
             break
         if interval and st.step % interval == 0 and st.step < steps:
-            _checkpoint(config, run_id, st)
-    _checkpoint(config, run_id, st)
+            _checkpoint(config, run_id, st, store)
+    _checkpoint(config, run_id, st, store)
 
 
 def _open_run(config: RunConfig, task: Task, st: _State, store: RunStore, *, seed: int, resume: str | None,
-              run_id: str | None) -> str:
-    """Create the run (rank 0), or continue it from its newest checkpoint when resuming or when a restarted
-    torchrun worker group finds its run already in the store.  Every rank returns the same run id."""
+              run_id: str | None, allow_restart: bool) -> str:
+    """Create the run (rank 0), or continue it from its newest usable checkpoint when resuming or when a restarted
+    torchrun worker group finds its run already in the store.  Every rank returns the same run id (a refusal on
+    rank 0 is raised on every rank)."""
     w = st.world
     if resume is not None:
+        opened: Any = None
         if w.is_main:
-            record = store.get_run(resume)
-            framework = record.manifest.get("framework", "torch")
-            if framework != "torch":
-                raise ValueError(f"run {record.run_id} is a framework = {framework!r} run: it cannot be resumed as "
-                                 f"framework = \"torch\"; resume it with lowprec run --resume {record.run_id}")
-        rid, create = (store.get_run(resume).run_id if w.is_main else None), False
+            try:
+                record = store.get_run(resume)
+                framework = record.manifest.get("framework", "torch")
+                if framework != "torch":
+                    raise ValueError(f"run {record.run_id} is a framework = {framework!r} run: it cannot be resumed "
+                                     f"as framework = \"torch\"; resume it with lowprec run --resume {record.run_id}")
+                check_resumable(record)
+                opened = (record.run_id, False)
+            except ValueError as e:
+                opened = str(e)
+        opened = w.broadcast(opened)
+        if isinstance(opened, str):
+            raise ValueError(opened)
+        rid, create = opened
     else:
+        # the run exists: a new launch of the workers (lowprec run --resume of a data-parallel run), or an
+        # elastic restart (torchrun restarted the worker group), which continues its run or starts it over when
+        # it wrote no usable checkpoint yet: that is what max_restarts asks for
         exists = w.is_main and run_id is not None and any(r.run_id == run_id for r in store.list_runs())
         rid, create = run_id, not exists
+        allow_restart = allow_restart or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     rid, create = w.broadcast((rid, create))
     if create and w.is_main:
         manifest = build_manifest(seed=seed, recipe_hash=config.recipe.hash(), data_hash=task.data_hash,
                                   data_source=task.data_source, metrics=task.metrics)
         manifest["world_size"] = w.size
+        manifest[RECORDS_KEY] = True
         rid = store.create_run(name=f"{config.label} seed {seed}", config=config.to_dict(), manifest=manifest,
                                group=config.group or config.label, run_id=rid)
     rid = w.broadcast(rid)
     if not create:
-        _restore(config, rid, st, store)
+        _restore(config, rid, st, store, allow_restart=allow_restart)
     w.barrier()
     return str(rid)
 
 
 def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None = None, progress: bool = True,
-          world: World | None = None, run_id: str | None = None) -> str:
-    """Train ``config`` with ``seed`` (or continue run ``resume`` from its last checkpoint); returns the run id.
+          world: World | None = None, run_id: str | None = None, allow_restart: bool = False) -> str:
+    """Train ``config`` with ``seed`` (or continue run ``resume`` from its last usable checkpoint); returns the run
+    id.  Checkpoints go next to ``store``'s file, whatever ``config.store`` says.
 
     Under torchrun pass the ``world`` from ``init_world``: rank 0 records, every rank trains its batch shard.
-    ``run_id`` names the run to create, or to continue when it already exists (elastic restarts)."""
+    ``run_id`` names the run to create, or to continue when it already exists (elastic restarts).
+    ``allow_restart``: when resuming finds no usable checkpoint that the store's records reach, start the run over
+    from step 0 (deleting its recorded steps) instead of refusing (see ``_resume``)."""
     if config.framework == "jax":
         from ._jax_runner import jax_train
 
-        return jax_train(config, seed=seed, store=store, resume=resume, progress=progress, run_id=run_id)
+        return jax_train(config, seed=seed, store=store, resume=resume, progress=progress, run_id=run_id,
+                         allow_restart=allow_restart)
     world = world or World()
     if world.distributed and world.strategy != config.parallel.strategy:
         raise ValueError(f"parallel.strategy is {config.parallel.strategy!r} but the process group was set up for "
                          f"{world.strategy!r}: pass init_world(config.parallel.strategy, ...) as world")
     try:
         return _train_torch(config, seed=seed, store=store, resume=resume, progress=progress, world=world,
-                            run_id=run_id)
+                            run_id=run_id, allow_restart=allow_restart)
     finally:
         if world.distributed:
             # The wrapped model (FSDP2's and DDP's state included) sits in reference cycles, which only the
@@ -459,7 +540,7 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
 
 
 def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str | None, progress: bool,
-                 world: World, run_id: str | None) -> str:
+                 world: World, run_id: str | None, allow_restart: bool) -> str:
     """``train`` for ``framework = "torch"``, once ``world`` is checked against the config."""
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -473,7 +554,7 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
         from ..numerics import FallbackController
 
         st.fallback = FallbackController(unwrap(st.model), policy, seed=config.recipe.seed)
-    rid = _open_run(config, task, st, store, seed=seed, resume=resume, run_id=run_id)
+    rid = _open_run(config, task, st, store, seed=seed, resume=resume, run_id=run_id, allow_restart=allow_restart)
     every = config.stats.every or (FALLBACK_EVERY if policy is not None else None)
     st.sample_every = every
     if every and world.is_main:
@@ -518,11 +599,18 @@ def run_config(config: RunConfig, *, store: RunStore, progress: bool = True) -> 
     return ids
 
 
-def resume_run(run_id: str, *, store: RunStore, progress: bool = True, world_size: int | None = None) -> str:
-    """Continue a stored run from its newest valid checkpoint, with the config it was started with (optionally
-    on another number of data-parallel processes: checkpoints hold the full state, so 2 -> 1 and 1 -> 2 work)."""
+def resume_run(run_id: str, *, store: RunStore, progress: bool = True, world_size: int | None = None,
+               allow_restart: bool = False) -> str:
+    """Continue a stored run from its newest usable checkpoint, with the config it was started with (optionally
+    on another number of data-parallel processes: checkpoints hold the full state, so 2 -> 1 and 1 -> 2 work).
+
+    The run's checkpoints are those next to ``store``'s file: the config's saved ``store`` path (relative to the
+    working directory it was started from) is not used.  A completed run, or one still running on this host, is
+    refused; ``allow_restart`` as in ``train``."""
     record = store.get_run(run_id)
-    config = RunConfig.from_dict(record.config, where=f"run {record.run_id}'s stored config")
+    check_resumable(record)
+    stored = {**record.config, "store": str(store.path)}
+    config = RunConfig.from_dict(stored, where=f"run {record.run_id}'s stored config")
     if world_size is not None:
         layout = {"strategy": "single" if world_size == 1 else "ddp", "world_size": world_size}
         config = RunConfig.from_dict({**config.to_dict(), "parallel": {**config.to_dict()["parallel"], **layout}},
@@ -532,6 +620,6 @@ def resume_run(run_id: str, *, store: RunStore, progress: bool = True, world_siz
         from ._launch import launch
 
         return launch(config, seed=seed, batch_size=config.batch_size or 1, store=store, resume=record.run_id,
-                      quiet=not progress)
-    return train(config, seed=seed, store=store, resume=record.run_id, progress=progress)
-
+                      quiet=not progress, allow_restart=allow_restart)
+    return train(config, seed=seed, store=store, resume=record.run_id, progress=progress,
+                 allow_restart=allow_restart)
