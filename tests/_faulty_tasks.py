@@ -1,4 +1,6 @@
-"""Task entry points with injected faults, for runner tests (``model = "_faulty_tasks:crash_at"``)."""
+"""Task entry points with injected faults, for runner tests (``model = "_faulty_tasks:crash_at"``).
+
+Each builder is declared with ``@zoo.task``: a run config may only name declared task builders."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from typing import Any
 
 import torch
 
+from lowprec.runs import zoo
 from lowprec.runs.zoo import Task, get_task
 
 
+@zoo.task
 def crash_at(*, seed: int, batch_size: int | None = None, step: int = 5, marker: str = "") -> Task:
     """mlp-digits whose batch function raises at ``step`` (0-based), once: a run that dies mid-way.  The failure
     happens while the file ``marker`` does not exist, and creates it (so a resumed run goes through)."""
@@ -27,6 +31,7 @@ def crash_at(*, seed: int, batch_size: int | None = None, step: int = 5, marker:
     return dataclasses.replace(task, name="crash_at", train_batch=batch)
 
 
+@zoo.task
 def nan_at(*, seed: int, batch_size: int | None = None, step: int = 5) -> Task:
     """mlp-digits whose batch at ``step`` (0-based) holds a NaN: the loss of step ``step + 1`` is NaN."""
     task = get_task("mlp-digits", seed=seed, batch_size=batch_size)
@@ -41,6 +46,7 @@ def nan_at(*, seed: int, batch_size: int | None = None, step: int = 5) -> Task:
     return dataclasses.replace(task, name="nan_at", train_batch=batch)
 
 
+@zoo.task
 def sigkill_at(*, seed: int, batch_size: int | None = None, step: int = 5, marker: str = "") -> Task:
     """mlp-digits whose process kills itself with SIGKILL at ``step`` (0-based), once (see ``crash_at``)."""
     task = get_task("mlp-digits", seed=seed, batch_size=batch_size)
@@ -54,6 +60,7 @@ def sigkill_at(*, seed: int, batch_size: int | None = None, step: int = 5, marke
     return dataclasses.replace(task, name="sigkill_at", train_batch=batch)
 
 
+@zoo.task
 def duplicated(*, seed: int, batch_size: int | None = None, copies: int = 2) -> Task:
     """mlp-digits whose global batch is ``copies`` stacked copies of a batch of ``batch_size / copies`` rows.
 
@@ -124,6 +131,7 @@ def _insert_after(task: Task, layer: int, name: str, module: torch.nn.Module) ->
     layers[layer] = torch.nn.Sequential(OrderedDict([("linear", layers[layer]), (name, module)]))
 
 
+@zoo.task
 def overflow_at(*, seed: int, batch_size: int | None = None, step: int = 5, rank: int | None = None) -> Task:
     """mlp-digits with module ``layers.1.amp`` after the second linear whose forward output at batch ``step``
     (0-based) overflows to +-inf: the run's first non-finite tensor is that module's output at step ``step + 1``
@@ -133,6 +141,7 @@ def overflow_at(*, seed: int, batch_size: int | None = None, step: int = 5, rank
     return dataclasses.replace(task, name="overflow_at")
 
 
+@zoo.task
 def nan_grad_at(*, seed: int, batch_size: int | None = None, step: int = 5, rank: int | None = None) -> Task:
     """mlp-digits with module ``layers.1.bad`` after the second linear whose backward at batch ``step`` (0-based)
     returns one NaN in the gradient of its input: the loss stays finite, the gradient norm is NaN, and the first
@@ -142,6 +151,7 @@ def nan_grad_at(*, seed: int, batch_size: int | None = None, step: int = 5, rank
     return dataclasses.replace(task, name="nan_grad_at")
 
 
+@zoo.task
 def tiny_input(*, seed: int, batch_size: int | None = None, scale: float = 2.0**-12, crash_step: int = -1,
                marker: str = "", copies: int = 1) -> Task:
     """mlp-digits with inputs multiplied by ``scale`` (pixels in [0, 1] -> at most 2^-12: every nonzero input

@@ -283,15 +283,18 @@ def test_bad_step_is_rejected() -> None:
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch) -> str:
-    """A throw-away importable module ``zoo_user_tasks`` with a good builder and a few bad attributes."""
+    """A throw-away importable module ``zoo_user_tasks`` with a good builder and a few bad attributes (builders
+    are declared with ``@task``: a config may name no other function, see test_task_registry.py)."""
     (tmp_path / "zoo_user_tasks.py").write_text(textwrap.dedent("""
-        from lowprec.runs.zoo import get_task
+        from lowprec.runs.zoo import get_task, task
 
         NOT_CALLABLE = 3
 
+        @task
         def tiny(*, seed, batch_size=None, hidden=8):
             return get_task("mlp-digits", seed=seed, batch_size=batch_size, hidden=hidden)
 
+        @task
         def not_a_task(*, seed, batch_size=None):
             return "model"
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._declare import task
 from ._task import (
     Task,
     check_batch_size,
@@ -149,6 +150,7 @@ def _classifier_task(
     )
 
 
+@task
 def mlp_digits(
     *, seed: int, batch_size: int | None = None, hidden: int = 128, layers: int = 2, activation: str = "relu"
 ) -> Task:
@@ -165,6 +167,7 @@ def mlp_digits(
                             options={"hidden": hidden, "layers": layers, "activation": activation})
 
 
+@task
 def cnn_digits(*, seed: int, batch_size: int | None = None, channels: int = 16, hidden: int = 64) -> Task:
     """Two 3x3 convolutions, max-pool, then Linear ``fc`` and ``head``.  Default: 16/32 channels, 64 hidden."""
     name = "cnn-digits"

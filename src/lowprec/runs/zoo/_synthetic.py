@@ -24,6 +24,7 @@ import functools
 import torch
 from torch import nn
 
+from ._declare import task
 from ._task import (
     Task,
     check_batch_size,
@@ -77,6 +78,7 @@ def squared_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((pred - target) ** 2).sum(1).mean()
 
 
+@task
 def synthetic_regression(
     *, seed: int, batch_size: int | None = None, samples: int = 2048, features: int = 32, outputs: int = 8
 ) -> Task:

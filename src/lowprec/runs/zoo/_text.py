@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._declare import task
 from ._task import (
     Task,
     check_batch_size,
@@ -163,6 +164,7 @@ def _evaluator(val: torch.Tensor, *, context: int) -> Callable[[nn.Module], dict
     return evaluate
 
 
+@task
 def gpt_bytes(
     *, seed: int, batch_size: int | None = None, layers: int = 2, d_model: int = 64, heads: int = 4,
     context: int = 64, tie_head: bool = False,
