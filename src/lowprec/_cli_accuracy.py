@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,10 @@ from ._cli_runs import add_store_arg, config_with_overrides, open_store, store_p
 
 
 def _criteria(path: str | None) -> Any:
+    """The ``Criteria`` of ``--criteria FILE`` (TOML, or JSON for ``*.json``; a top-level ``criteria`` table is
+    unwrapped), or None.  Every problem is a ValueError naming the file: missing, unreadable, not valid or too
+    deeply nested TOML/JSON (``parse_toml``/``parse_json``), or a bad field."""
+    from .runs._config import parse_json, parse_toml
     from .runs._stats import Criteria
 
     if path is None:
@@ -19,11 +22,12 @@ def _criteria(path: str | None) -> Any:
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
-        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except FileNotFoundError:
         raise ValueError(f"criteria file {path!r} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read criteria file {path!r}: {e}") from None
+    where = f"criteria file {path!r}"
+    data = parse_json(text, where=where) if p.suffix == ".json" else parse_toml(text, where=where)
     try:
         return Criteria.from_dict(data.get("criteria", data) if isinstance(data, dict) else data)
     except ValueError as e:
@@ -50,7 +54,7 @@ def cmd_baseline(args: argparse.Namespace) -> int:
 def cmd_baselines(args: argparse.Namespace) -> int:
     from .runs._baseline import Baseline
 
-    with open_store(store_path(args)) as store:
+    with open_store(store_path(args), create=args.action == "import") as store:
         if args.action == "list":
             names = store.list_baselines()
             for name in names:
@@ -74,7 +78,7 @@ def cmd_baselines(args: argparse.Namespace) -> int:
 def _judged(args: argparse.Namespace) -> tuple[Any, list[Any], list[Any]]:
     from .runs._workflow import judge_groups, load_baseline, select_runs
 
-    with open_store(store_path(args)) as store:
+    with open_store(store_path(args), create=False) as store:
         baseline = load_baseline(store, args.baseline)
         runs = select_runs(store, args.runs)
     return baseline, runs, judge_groups(baseline, runs)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ._atomic import atomic_write_text
+from ._config import parse_json
 from ._stats import Criteria, smooth
 
 FORMAT = "lowprec-baseline"
@@ -195,13 +197,16 @@ class Baseline:
 
     @classmethod
     def load_json(cls, path: str | os.PathLike) -> Baseline:
+        """Read and validate a baseline JSON file (``from_dict``); every problem is a ValueError naming the file:
+        a missing or unreadable file, invalid or too deeply nested JSON (``parse_json``), or a bad field."""
         p = Path(path)
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
+            text = p.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ValueError(f"baseline file {str(p)!r} does not exist") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read baseline file {str(p)!r}: {e}") from None
+        data = parse_json(text, where=f"baseline file {str(p)!r}")
         try:
             return cls.from_dict(data)
         except ValueError as e:
@@ -306,16 +311,37 @@ def _loss(run: RunData) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ------------------------------------------------------------------------------------------------ parsing
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_REGENERATE = "export the baseline again (`lowprec baselines export`, `lowprec baseline ... --export`)"
+_KIND = {"str": "a string", "int": "an integer", "dict": "an object", "list": "a list", "int or float": "a number"}
+
+
 def _get(d: dict, key: str, types: type | tuple[type, ...], where: str) -> Any:
     if key not in d:
         raise ValueError(f"{where}{key} is missing")
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, types):
-        raise ValueError(f"{where}{key} must be {getattr(types, '__name__', types)}; got {v!r}")
+        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise ValueError(f"{where}{key} must be {_KIND.get(names, names)}; got {v!r}")
+    return v
+
+
+
+def _text(d: dict, key: str, where: str, what: str) -> str:
+    v = _get(d, key, str, where)
+    if not v.strip():
+        raise ValueError(f"{where}{key} must be a non-empty string ({what}); got {v!r}")
     return v
 
 
 def _parse(data: Any) -> Baseline:
+    """Validate every field of a baseline document (``to_dict``'s form) and build the ``Baseline``.
+
+    Each error names the field (``seeds[1].final.loss``, ``envelope.rows[3]``), the bad value and what is
+    allowed.  Besides each field's type and range, the fields must agree with each other as ``build_baseline``
+    makes them: one final value per metric for each seed, distinct seeds and run ids, the envelope ending at
+    ``steps``, ``criteria.metrics`` among ``metrics``, and ``config``'s model and steps (when present) equal to
+    the top-level ones."""
     if not isinstance(data, dict):
         raise ValueError(f"a baseline must be a JSON object; got {type(data).__name__}")
     top = {"format", "version", "name", "model", "data_hash", "steps", "config_digest", "metrics", "criteria",
@@ -326,26 +352,50 @@ def _parse(data: Any) -> Baseline:
         raise ValueError(f"format must be {FORMAT!r}; got {data.get('format')!r}")
     if data.get("version") != FORMAT_VERSION:
         raise ValueError(f"version {data.get('version')!r} is not supported; this lowprec reads {FORMAT_VERSION}")
-    name, model, data_hash, digest = (_get(data, k, str, "") for k in ("name", "model", "data_hash",
-                                                                       "config_digest"))
+    name = _text(data, "name", "", "the baseline's name; `lowprec baselines import --name` sets another")
+    model = _text(data, "model", "", "the task the seed runs trained, e.g. 'mlp-digits'")
+    data_hash = _text(data, "data_hash", "", "the sha256 of the task's data, from the runs' manifests")
+    digest = _get(data, "config_digest", str, "")
+    if not _HEX16.fullmatch(digest):
+        raise ValueError(f"config_digest must be 16 lowercase hex digits (the digest lowprec computes from the "
+                         f"config); got {digest!r}: {_REGENERATE}")
     steps = _get(data, "steps", int, "")
+    if steps < 1:
+        raise ValueError(f"steps must be an integer >= 1 (the number of training steps each seed ran); got "
+                         f"{steps!r}")
     metrics = _get(data, "metrics", dict, "")
+    if not metrics:
+        raise ValueError("metrics must name at least one eval metric and its direction, e.g. "
+                         "{\"loss\": \"min\", \"accuracy\": \"max\"}; got {}")
     for m, d in metrics.items():
+        if not isinstance(m, str) or not m.strip():
+            raise ValueError(f"metrics must be keyed by metric names; got the key {m!r}")
         if d not in DIRECTIONS:
             raise ValueError(f"metrics.{m} must be 'min' or 'max'; got {d!r}")
     crit = Criteria.from_dict(_get(data, "criteria", dict, ""))
+    if crit.metrics is not None and set(crit.metrics) - set(metrics):
+        raise ValueError(f"criteria.metrics {sorted(set(crit.metrics) - set(metrics))} are not metrics of the "
+                         f"baseline; known: {sorted(metrics)}")
     config = _get(data, "config", dict, "")
+    if isinstance(config.get("model"), str) and config["model"] != model:
+        raise ValueError(f"config.model {config['model']!r} differs from model {model!r}; they must be equal")
+    if isinstance(config.get("steps"), int) and config["steps"] != steps:
+        raise ValueError(f"config.steps {config['steps']!r} differs from steps {steps!r}; they must be equal")
     seeds_in = _get(data, "seeds", list, "")
     if len(seeds_in) < 2:
-        raise ValueError(f"seeds must list >= 2 seed runs; got {len(seeds_in)}")
+        raise ValueError(f"seeds must list >= 2 seed runs (seed-to-seed noise is what a baseline measures); got "
+                         f"{len(seeds_in)}")
     seeds, ids, names, mans, fin = [], [], [], [], []
     for i, s in enumerate(seeds_in):
         w = f"seeds[{i}]."
         if not isinstance(s, dict) or set(s) != {"seed", "run_id", "name", "final", "manifest"}:
             raise ValueError(f"seeds[{i}] must be an object with keys final, manifest, name, run_id, seed; got {s!r}")
-        seeds.append(_get(s, "seed", int, w))
-        ids.append(_get(s, "run_id", str, w))
-        names.append(_get(s, "name", str, w))
+        seed = _get(s, "seed", int, w)
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"{w}seed must be an integer in [0, 2**63); got {seed!r}")
+        seeds.append(seed)
+        ids.append(_text(s, "run_id", w, "the id of the seed's run in the store it came from"))
+        names.append(_text(s, "name", w, "the seed run's name"))
         mans.append(_get(s, "manifest", dict, w))
         final = _get(s, "final", dict, w)
         if set(final) != set(metrics):
@@ -353,22 +403,33 @@ def _parse(data: Any) -> Baseline:
         for m in metrics:
             v = _get(final, m, (int, float), w + "final.")
             if not math.isfinite(v):
-                raise ValueError(f"{w}final.{m} must be finite; got {v!r}")
+                raise ValueError(f"{w}final.{m} must be a finite number; got {v!r}")
         fin.append([float(final[m]) for m in metrics])
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must be distinct; got {seeds}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"seeds[*].run_id must be distinct (one run per seed); got {ids}")
+    for i, (seed, man) in enumerate(zip(seeds, mans, strict=True)):
+        if "seed" in man and man["seed"] != seed:
+            raise ValueError(f"seeds[{i}].manifest.seed {man['seed']!r} differs from seeds[{i}].seed {seed!r}; "
+                             "they must be equal")
     env = _get(data, "envelope", dict, "")
     if env.get("columns") != list(ENVELOPE_COLUMNS) or set(env) != {"columns", "rows"}:
         raise ValueError(f"envelope must be {{'columns': {list(ENVELOPE_COLUMNS)}, 'rows': [...]}}")
     rows = env["rows"]
-    if not isinstance(rows, list) or not rows or any(
-            not isinstance(r, list) or len(r) != 5 or not all(isinstance(x, int | float) and not isinstance(
-                x, bool) and math.isfinite(x) for x in r) for r in rows):
-        raise ValueError("envelope.rows must be a non-empty list of [step, mean, std, min, max] finite numbers")
+    if not isinstance(rows, list) or not rows:
+        raise ValueError("envelope.rows must be a non-empty list of [step, mean, std, min, max] rows")
+    for i, r in enumerate(rows):
+        if not isinstance(r, list) or len(r) != len(ENVELOPE_COLUMNS) or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in r):
+            raise ValueError(f"envelope.rows[{i}] must be [step, mean, std, min, max], five finite numbers; "
+                             f"got {r!r}")
     arr = np.asarray(rows, dtype=np.float64)
     st = arr[:, 0].astype(np.int64)
     if not np.array_equal(st, arr[:, 0]) or (np.diff(st) <= 0).any() or st[0] < 1:
         raise ValueError("envelope.rows steps must be increasing integers >= 1")
+    if int(st[-1]) != steps:
+        raise ValueError(f"envelope.rows must end at step {steps} (steps); the last row is step {int(st[-1])}")
     slack = 1e-9 * np.maximum(1.0, np.abs(arr[:, 1]))
     if (arr[:, 2] < 0).any() or (arr[:, 3] > arr[:, 1] + slack).any() or (arr[:, 1] > arr[:, 4] + slack).any():
         raise ValueError("envelope.rows must have std >= 0 and min <= mean <= max")
