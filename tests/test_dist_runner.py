@@ -199,7 +199,8 @@ def test_one_process_run_resumed_on_two(tmp_path: Path) -> None:
         rid = resume_run(rec.run_id, store=store, progress=False, world_size=2)
         assert store.get_run(rid).status == "completed"
         (ev,) = store.events(rid, kind="resumed")
-        assert ev["payload"] == {"from_step": 20, "world_size": 2, "checkpoint_world_size": 1, "checkpoint": "file"}
+        assert ev["payload"] == {"from_step": 20, "world_size": 2, "checkpoint_world_size": 1, "checkpoint": "file",
+                                "skipped": [], "discarded_steps": 0}
         assert np.isfinite(_loss(store, rid)).all()
 
 
