@@ -110,13 +110,15 @@ def candidates(directory: Path) -> list[Candidate]:
 
 
 def choose(store: RunStore, record: RunRecord, directory: Path, usable: Callable[[Candidate], Any], *,
-           allow_restart: bool) -> ResumePoint:
+           allow_restart: bool, clean: bool = True) -> ResumePoint:
     """Pick where run ``record`` continues (the module docstring gives the rules).
 
     ``usable(candidate)`` verifies a candidate and returns what the runner needs of it (the loaded state);
-    it raises ``ValueError`` saying why it cannot be used.  Removes partial checkpoint files first."""
+    it raises ``ValueError`` saying why it cannot be used.  ``clean`` removes partial checkpoint files first: only
+    for a run about to be resumed, never while another process may be writing its checkpoints."""
     run_id = record.run_id
-    clean_partial(directory)
+    if clean:
+        clean_partial(directory)
     held = recorded_steps(store, run_id)
     required = bool(record.manifest.get(RECORDS_KEY))
     recorded = {(e["payload"].get("kind"), e["step"], e["payload"].get("sha256"))

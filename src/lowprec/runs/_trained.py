@@ -47,14 +47,20 @@ def load_trained(store: Any, run_id: str) -> Calibrated:
     import torch
 
     from ..nn import EmulatedLinear, convert, unconvert
-    from ._checkpoint import checkpoint_dir, latest_valid
+    from ._checkpoint import checkpoint_dir, load_checkpoint
+    from ._resume import choose
     from ._runner import build_task
 
     rec = store.get_run(run_id)
     config = RunConfig.from_dict(rec.config, where=f"run {rec.run_id}'s stored config")
     seed = int(rec.manifest["seed"])
     task = build_task(config, seed)
-    step, state, _ = latest_valid(checkpoint_dir(store.path, rec.run_id))
+    point = choose(store, rec, checkpoint_dir(store.path, rec.run_id), lambda c: load_checkpoint(c.path),
+                   allow_restart=True, clean=False)  # resume's rules: only a checkpoint recorded for this run
+    if point.candidate is None:
+        raise ValueError(f"run {rec.run_id} has no usable checkpoint to load its model from"
+                         + (f" ({'; '.join(point.problems)})" if point.problems else ""))
+    step, state = point.step, point.loaded
     model = task.model
     try:
         convert(model, config.recipe)
