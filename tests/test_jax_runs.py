@@ -23,10 +23,10 @@ import pytest
 from lowprec import recipes
 from lowprec.runs._baseline import RunData
 from lowprec.runs._checkpoint import checkpoint_dir, list_checkpoints
-from lowprec.runs._resume import Candidate, choose
 from lowprec.runs._config import CheckpointConfig, OptimizerConfig, ParallelConfig, RunConfig
 from lowprec.runs._jax_runner import jax_train
 from lowprec.runs._report import write_report
+from lowprec.runs._resume import Candidate, choose
 from lowprec.runs._runner import resume_run, run_config, train
 from lowprec.runs._store import RunStore
 from lowprec.runs._workflow import judge_groups, run_baseline

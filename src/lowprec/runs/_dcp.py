@@ -83,9 +83,9 @@ class _SafeReader(FileSystemReader):
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise ValueError(f"{path} does not hold checkpoint metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        metadata.storage_meta = meta
         return metadata
 
 

@@ -39,7 +39,7 @@ import torch
 
 from ..nn import EmulatedLinear, convert
 from ..optim import LowPrecisionOptimizer
-from ._checkpoint import checkpoint_dir, checkpoint_digest, load_checkpoint, save_checkpoint
+from ._checkpoint import checkpoint_digest, checkpoint_dir, load_checkpoint, save_checkpoint
 from ._config import RunConfig
 from ._manifest import build_manifest
 from ._parallel import World, Wrapped, unwrap, wrap_model
