@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from lowprec._parse import MAX_NESTING, parse_json, parse_toml
 from lowprec.cli import main
 from lowprec.runs._baseline import Baseline, RunData, build_baseline
-from lowprec.runs._config import MAX_NESTING, load, parse_json, parse_toml
+from lowprec.runs._config import load
 from lowprec.runs._store import RunStore
 
 STEPS = 20

@@ -14,7 +14,7 @@ def _criteria(path: str | None) -> Any:
     """The ``Criteria`` of ``--criteria FILE`` (TOML, or JSON for ``*.json``; a top-level ``criteria`` table is
     unwrapped), or None.  Every problem is a ValueError naming the file: missing, unreadable, not valid or too
     deeply nested TOML/JSON (``parse_toml``/``parse_json``), or a bad field."""
-    from .runs._config import parse_json, parse_toml
+    from ._parse import parse_json, parse_toml
     from .runs._stats import Criteria
 
     if path is None:

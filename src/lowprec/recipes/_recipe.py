@@ -366,7 +366,10 @@ class Recipe:
 
     @classmethod
     def from_json(cls, text: str) -> Recipe:
-        return cls.from_dict(json.loads(text))
+        """Parse (invalid or too deeply nested JSON is a ValueError, see ``lowprec._parse``) and validate."""
+        from .._parse import parse_json
+
+        return cls.from_dict(parse_json(text, where="recipe JSON"))
 
     def to_toml(self) -> str:
         from ._serial import dict_to_toml
@@ -375,9 +378,10 @@ class Recipe:
 
     @classmethod
     def from_toml(cls, text: str) -> Recipe:
-        import tomllib
+        """Parse (invalid or too deeply nested TOML is a ValueError, see ``lowprec._parse``) and validate."""
+        from .._parse import parse_toml
 
-        return cls.from_dict(tomllib.loads(text))
+        return cls.from_dict(parse_toml(text, where="recipe TOML"))
 
     def hash(self) -> str:
         """SHA-256 (first 16 hex digits) of the canonical JSON: identifies the numerics of a run."""

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from .._parse import parse_json
 from ._atomic import atomic_write_text
-from ._config import parse_json
 from ._stats import Criteria, smooth
 
 FORMAT = "lowprec-baseline"

@@ -29,12 +29,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from .. import recipes
+from .._parse import MAX_NESTING as MAX_NESTING  # re-exported: the limit config errors name
+from .._parse import parse_json, parse_toml
 from ..recipes import Recipe
 from ._checks import check_choice, check_float, check_int
 
@@ -330,86 +330,6 @@ def load(path: str | Path) -> RunConfig:
     if p.suffix.lower() == ".json":
         return RunConfig.from_dict(parse_json(text, where=str(p)), where=str(p))
     return RunConfig.from_toml(text, where=str(p))
-
-
-# ------------------------------------------------------------------------------------ parsing user files
-MAX_NESTING = 64
-"""Most levels of nested arrays/tables (objects) a user-supplied TOML or JSON document may have; the document
-itself is level 1.  A run config, a recipe, criteria or a baseline needs fewer than ten."""
-
-# Tokens that matter for nesting, strings first so that brackets inside them are skipped.  An unterminated
-# string just leaves its brackets counted; the parser reports the real error unless the count is already deep.
-_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
-_TOML_TOKENS = re.compile(
-    r'"""(?:[^\\]|\\.)*?"""'  # multi-line basic string
-    r"|'''.*?'''"  # multi-line literal string
-    r'|"(?:[^"\\\n]|\\.)*"'  # basic string
-    r"|'[^'\n]*'"  # literal string
-    r"|#[^\n]*"  # comment
-    r"|[\[\]{}]",
-    re.S,
-)
-
-
-def _too_deep(where: str) -> ValueError:
-    return ValueError(f"{where} is nested too deeply (more than {MAX_NESTING} levels of arrays or tables); a "
-                      f"config, recipe, criteria or baseline file needs only a few")
-
-
-def _check_text_nesting(text: str, tokens: re.Pattern[str], where: str, *, base: int) -> None:
-    """ValueError when brackets/braces outside strings (and TOML comments) nest deeper than ``MAX_NESTING``
-    (``base`` levels are implied: TOML's top-level table).  Run before parsing: Python's json and tomllib parse
-    nesting by recursion, and a deep enough document would end in RecursionError instead."""
-    depth = base
-    for m in tokens.finditer(text):
-        c = m.group()
-        if c in "[{":
-            depth += 1
-            if depth > MAX_NESTING:
-                raise _too_deep(where)
-        elif c in "]}":
-            depth -= 1
-
-
-def _check_data_nesting(data: Any, where: str) -> None:
-    """ValueError when parsed data nests dicts/lists deeper than ``MAX_NESTING`` (iteratively: TOML's dotted keys
-    ``a.b.c = 1`` nest without brackets, and deep data would make later recursive code, json.dumps included,
-    fail with RecursionError)."""
-    stack = [(data, 1)]
-    while stack:
-        obj, depth = stack.pop()
-        if depth > MAX_NESTING:
-            raise _too_deep(where)
-        children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else ()
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-
-
-def parse_toml(text: str, *, where: str) -> dict[str, Any]:
-    """Parse user-supplied TOML; every failure is a ValueError starting with ``where``: not valid TOML, or
-    nested deeper than ``MAX_NESTING`` levels (checked before and after parsing, never a RecursionError)."""
-    _check_text_nesting(text, _TOML_TOKENS, where, base=1)
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{where}: not valid TOML: {e}") from None
-    except RecursionError:
-        raise _too_deep(where) from None
-    _check_data_nesting(data, where)
-    return data
-
-
-def parse_json(text: str, *, where: str) -> Any:
-    """Parse user-supplied JSON; every failure is a ValueError starting with ``where``: not valid JSON, or nested
-    deeper than ``MAX_NESTING`` levels (checked before and after parsing, never a RecursionError)."""
-    _check_text_nesting(text, _JSON_TOKENS, where, base=0)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON: {e}") from None
-    except RecursionError:
-        raise _too_deep(where) from None
-    _check_data_nesting(data, where)
-    return data
 
 
 def _table(cls: type, value: Any, field: str) -> Any:
