@@ -445,3 +445,11 @@ def test_profile_h100_accumulator_matches_its_docstring() -> None:
     r = lowprec.recipes.get("h100-fp8")
     for g in (r.linear.forward, r.linear.grad_input, r.linear.grad_weight):
         assert g.accumulator == Accumulator(format="e8m13", chunk=128, rounding="toward_zero")
+
+
+def test_deeply_nested_recipe_documents_are_a_value_error() -> None:
+    """Python's json/tomllib recurse per nesting level: 100,000 levels used to end in RecursionError."""
+    with pytest.raises(ValueError, match="recipe JSON is nested too deeply"):
+        Recipe.from_json("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="recipe TOML is nested too deeply"):
+        Recipe.from_toml("a = " + "[" * 100_000 + "]" * 100_000)
