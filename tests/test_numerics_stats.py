@@ -232,7 +232,7 @@ def test_scalars_round_trip_through_the_store(tmp_path) -> None:
     from lowprec.runs._store import RunStore
 
     model = _mlp("mxfp8")
-    obs = StatsObserver(model, every=3, what_if={"mxfp4": "mxfp4"})
+    obs = StatsObserver(model, every=3, what_if={"mxfp4": "mxfp4"}, keep_history=True)  # records() after popping
     _train(model, 4, obs)
     scal = obs.scalars()
     assert sorted(scal) == [0, 3]
