@@ -10,6 +10,7 @@ without hooks (bitwise-equal gradients: the hooks change nothing); the original 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,172 @@ def test_finite_step_returns_none_and_changes_no_bit() -> None:
     assert nonfinite_summary(torch.ones(3)) is None and nonfinite_summary(torch.tensor([1, 2])) is None
     with pytest.raises(ValueError, match="run_step must be a callable"):
         localize_nonfinite(nn.Linear(2, 2), None)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------- the four inexact cases of issue 14: hooks and parameters
+def _poison(t: torch.Tensor, index: tuple[int, ...] = (0, 1), value: float = math.nan) -> torch.Tensor:
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def test_nan_from_a_modules_own_full_backward_hook_is_named() -> None:
+    """Oracle: the hook writes exactly one NaN at [0, 1] of module '1''s grad_input (dL/d its input) and nothing
+    else is non-finite.  Before the fix the localiser checked that gradient before the module's hook ran and
+    blamed the previous module's grad_output ('0')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].register_full_backward_hook(lambda mod, gi, go: (_poison(gi[0]),))
+    loc = localize_nonfinite(model, _step(model, torch.randn(2, 3)))
+    assert loc is not None
+    assert (loc.module, loc.module_type, loc.role, loc.tensor, loc.phase) == ("1", "Linear", "grad_input",
+                                                                              "args[0]", "backward")
+    assert (loc.shape, loc.nan, loc.posinf, loc.neginf, loc.first_index) == ((2, 4), 1, 0, 0, (0, 1))
+    assert "backward hook" in loc.detail
+    # the user's hook still runs and still changes the gradient: the localiser only observes
+    assert torch.isnan(model[0].weight.grad).any()
+    assert list(model[1]._backward_hooks) and len(model[1]._backward_hooks) == 1  # ours removed
+    # a full backward *pre*-hook replaces the module's grad_output: named as that
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].register_full_backward_pre_hook(lambda mod, go: (_poison(go[0], (1, 2)),))
+    loc = localize_nonfinite(model, _step(model, torch.randn(2, 3)))
+    assert loc is not None and (loc.module, loc.role, loc.first_index) == ("1", "grad_output", (1, 2))
+
+
+def test_nan_from_a_global_full_backward_hook_is_named() -> None:
+    """Oracle: a global module hook (``register_module_full_backward_hook``) that poisons only module '1''s
+    grad_input, with an inf this time, at [1, 0]."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 2))
+    target = model[2]
+
+    def hook(mod: nn.Module, gi: tuple, go: tuple) -> tuple | None:
+        return (_poison(gi[0], (1, 0), math.inf),) if mod is target else None
+
+    handle = nn.modules.module.register_module_full_backward_hook(hook)
+    try:
+        # an input that needs a gradient: a global hook wraps every module, the first one too
+        loc = localize_nonfinite(model, _step(model, torch.randn(2, 3, requires_grad=True)))
+    finally:
+        handle.remove()
+    assert loc is not None
+    assert (loc.module, loc.role, loc.tensor, loc.posinf, loc.first_index) == ("2", "grad_input", "args[0]", 1,
+                                                                              (1, 0))
+
+
+def test_nan_from_a_tensor_hook_in_a_parents_forward_is_named() -> None:
+    """Oracle: the parent registers a hook on its child's output that writes one NaN at [0, 1] of dL/dh; the
+    child 'a' and the consumer 'b' computed their gradients finite.  Before the fix the localiser's hook on h ran
+    first (it was registered when 'a' returned), so the NaN was first seen in 'a''s bias gradient."""
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            h.register_hook(_poison)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = Parent()
+    loc = localize_nonfinite(model, _step(model, torch.randn(2, 3)))
+    assert loc is not None
+    assert (loc.module, loc.module_type, loc.role, loc.phase) == ("", "Parent", "grad_hook", "backward")
+    assert (loc.shape, loc.nan, loc.first_index) == ((2, 4), 1, (0, 1))
+    assert "Tensor.register_hook" in loc.detail and "'<model>' (Parent)" in loc.detail
+    assert torch.isnan(model.a.bias.grad).any()  # the hook still did what it does
+
+
+class _TinyGPT(nn.Module):
+    """The zoo's GPT layout in miniature: a position embedding module whose forward never runs (its weight is
+    used in the parent's forward), or a position ``nn.Parameter`` of the parent itself."""
+
+    def __init__(self, own_parameter: bool = False) -> None:
+        super().__init__()
+        self.tok_embed = nn.Embedding(11, 4)
+        if own_parameter:
+            self.pos = nn.Parameter(torch.randn(5, 4))
+        else:
+            self.pos_embed = nn.Embedding(5, 4)
+        self.block = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 11)
+
+    def position(self, t: int) -> torch.Tensor:
+        return self.pos[:t] if hasattr(self, "pos") else self.pos_embed.weight[:t]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embed(idx) + self.position(idx.shape[1])
+        return self.head(self.block(x))
+
+
+def _gpt_step(model: nn.Module) -> Callable[[], torch.Tensor]:
+    idx = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    return _step(model, idx)
+
+
+def test_nan_in_a_position_embedding_used_outside_its_module_is_named() -> None:
+    """Oracle: one NaN put at [2, 3] of the position embedding's weight.  Before the fix the embedding module
+    never ran, so its weight was never checked, and the NaN was first seen as the input of 'block'."""
+    torch.manual_seed(0)
+    model = _TinyGPT()
+    with torch.no_grad():
+        model.pos_embed.weight[2, 3] = math.nan
+    loc = localize_nonfinite(model, _gpt_step(model))
+    assert loc is not None
+    assert (loc.module, loc.module_type, loc.role, loc.tensor, loc.phase) == ("pos_embed", "Embedding",
+                                                                              "parameter", "weight", "forward")
+    assert (loc.shape, loc.nan, loc.first_index) == ((5, 4), 1, (2, 3))
+    assert "outside its module's forward" in loc.detail and "'<model>' (_TinyGPT)" in loc.detail
+    # the parent's own parameter: checked when the parent's forward starts
+    model = _TinyGPT(own_parameter=True)
+    with torch.no_grad():
+        model.pos[0, 0] = -math.inf
+    loc = localize_nonfinite(model, _gpt_step(model))
+    assert loc is not None and (loc.module, loc.role, loc.tensor, loc.neginf) == ("", "parameter", "pos", 1)
+    # a non-finite parameter that the step never uses is not blamed (the step is finite)
+    model = _TinyGPT()
+    model.unused = nn.Linear(2, 2)
+    with torch.no_grad():
+        model.unused.weight[0, 0] = math.nan
+    assert localize_nonfinite(model, _gpt_step(model)) is None
+
+
+def test_nan_gradient_of_a_position_embedding_is_named() -> None:
+    """Oracles: (1) a ``post_accumulate_grad`` hook that writes one NaN into ``pos_embed.weight.grad`` at [4, 0]
+    after accumulation (before the fix nothing was found: every gradient had been checked before it); (2) a
+    tensor hook on the weight that returns an inf gradient; (3) sqrt of a zero position entry in the parent's
+    forward: finite forward, inf * 0 = NaN in its backward, first seen in the parameter's own gradient."""
+    torch.manual_seed(0)
+    model = _TinyGPT()
+
+    def poison_grad(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        p.grad[4, 0] = math.nan
+
+    model.pos_embed.weight.register_post_accumulate_grad_hook(poison_grad)
+    loc = localize_nonfinite(model, _gpt_step(model))
+    assert loc is not None
+    assert (loc.module, loc.role, loc.tensor, loc.phase, loc.nan, loc.first_index) == (
+        "pos_embed", "grad_weight", "weight", "backward", 1, (4, 0))
+    assert "accumulat" in loc.detail
+
+    model = _TinyGPT()
+    model.pos_embed.weight.register_hook(lambda g: _poison(g, (1, 1), math.inf))
+    loc = localize_nonfinite(model, _gpt_step(model))
+    assert loc is not None and (loc.module, loc.role, loc.posinf, loc.first_index) == ("pos_embed", "grad_weight",
+                                                                                       1, (1, 1))
+
+    class SqrtPos(_TinyGPT):
+        def position(self, t: int) -> torch.Tensor:
+            return torch.sqrt(self.pos_embed.weight[:t].abs())
+
+    model = SqrtPos()
+    with torch.no_grad():
+        model.pos_embed.weight[3, 2] = 0.0
+    loc = localize_nonfinite(model, _gpt_step(model))
+    assert loc is not None and (loc.module, loc.role, loc.first_index) == ("pos_embed", "grad_weight", (3, 2))
 
 
 def _cfg(tmp_path: Path, model: str, step: int, seeds: tuple[int, ...] = (0,)) -> RunConfig:
