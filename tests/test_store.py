@@ -3,6 +3,8 @@ crash/concurrency guarantees checked with real processes (two spawned writers; a
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 
 from lowprec.runs import _store
-from lowprec.runs._store import MIGRATIONS, RunStore, StoreError
+from lowprec.runs._store import MIGRATIONS, RunStore, StoreCorrupt, StoreError
 
 
 @pytest.fixture
@@ -222,9 +224,9 @@ def test_default_path_creates_parent_and_uses_wal(tmp_path: Path, monkeypatch: p
     con = sqlite3.connect(db)
     try:
         assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == len(MIGRATIONS) == 1
+        assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == len(MIGRATIONS) == 2
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        assert {"runs", "scalars", "events", "baselines", "schema_version"} <= tables
+        assert {"runs", "scalars", "events", "baselines", "schema_version", "run_heads"} <= tables
         assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         con.close()
@@ -243,7 +245,7 @@ def test_migrations_apply_in_order_once(tmp_path: Path, monkeypatch: pytest.Monk
             assert s.scalars(rid)["a"][1].tolist() == [1.5]
     con = sqlite3.connect(path)
     try:
-        assert [r[0] for r in con.execute("SELECT version FROM schema_version ORDER BY version")] == [1, 2]
+        assert [r[0] for r in con.execute("SELECT version FROM schema_version ORDER BY version")] == [1, 2, 3]
         assert con.execute("SELECT run_id, tag FROM tags").fetchall() == [(rid, "migrated")]
     finally:
         con.close()
@@ -257,7 +259,7 @@ def test_failed_migration_is_rolled_back(tmp_path: Path, monkeypatch: pytest.Mon
         RunStore(path)
     con = sqlite3.connect(path)
     try:
-        assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == 1
+        assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == len(MIGRATIONS)
         assert con.execute("SELECT name FROM sqlite_master WHERE name = 't2'").fetchone() is None
     finally:
         con.close()
@@ -270,8 +272,8 @@ def test_newer_schema_version_asks_to_upgrade(tmp_path: Path) -> None:
     with con:
         con.execute("INSERT INTO schema_version VALUES (?, 0)", (len(MIGRATIONS) + 1,))
     con.close()
-    with pytest.raises(StoreError, match=r"written by a newer lowprec \(schema version 2; this lowprec reads up to "
-                                         r"version 1\); upgrade lowprec"):
+    with pytest.raises(StoreError, match=r"written by a newer lowprec \(schema version 3; this lowprec reads up to "
+                                         r"version 2\); upgrade lowprec"):
         RunStore(path)
 
 
@@ -336,10 +338,13 @@ def test_read_only_directory(tmp_path: Path) -> None:
 # -- the dead-process rule (oracle: processes whose fate the test controls) -------------------------------------
 
 def _set_owner(path: Path, rid: str, **cols: object) -> None:
+    """Edit a run's owner columns as another process would have written them (checksum kept valid)."""
     con = sqlite3.connect(path)
     with con:
         for col, val in cols.items():
             con.execute(f"UPDATE runs SET {col} = ? WHERE run_id = ?", (val, rid))
+        row = con.execute(f"SELECT {RunStore._COLUMNS} FROM runs WHERE run_id = ?", (rid,)).fetchone()
+        con.execute("UPDATE runs SET checksum = ? WHERE run_id = ?", (_store.run_checksum(row), rid))
     con.close()
 
 
@@ -471,3 +476,204 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
                 assert steps.tolist() == list(range(1, N_STEPS + 1))
                 assert values.tolist() == [_value(worker, run, st, i) for st in range(1, N_STEPS + 1)]
             assert s.events(rid) == [{"step": N_STEPS, "kind": "done", "payload": {"worker": worker}}]
+
+
+# -- planted run ids (oracle: ids the test itself wrote into the file, with valid checksums) ------------------------
+
+def _plant(path: Path, run_id: str, name: str = "planted") -> None:
+    """A runs row with ``run_id`` as an attacker editing the file would add it: checksum and head made valid, so
+    only the id check can refuse it."""
+    con = sqlite3.connect(path)
+    with con:
+        row = (run_id, name, None, "completed", 1.0, 2.0, "{}", "{}", None, "h", 1, None)
+        con.execute(f"INSERT INTO runs ({RunStore._COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+        if any(c[1] == "checksum" for c in con.execute("PRAGMA table_info(runs)")):  # (a store before it: no)
+            con.execute("UPDATE runs SET checksum = ? WHERE run_id = ?", (_store.run_checksum(row), run_id))
+            con.execute("INSERT INTO run_heads VALUES (?, 'x', 0, 0)", (run_id,))
+    con.close()
+
+
+@pytest.mark.parametrize("planted", ["../..", "/abs/path", "abcdef12345/", "abcdef12345g"])
+def test_planted_run_ids_are_refused_naming_the_row(tmp_path: Path, planted: str) -> None:
+    path = tmp_path / "runs.db"
+    with RunStore(path) as s:
+        good = _new(s)
+    _plant(path, planted)
+    with RunStore(path) as s:
+        where = rf"invalid id {planted!r} \(row 2, name 'planted'\)".replace(".", r"\.")
+        for read in (lambda: s.get_run(planted), lambda: s.scalars(planted), lambda: s.events(planted),
+                     lambda: s.list_runs(), lambda: s.list_runs(verify=False)):
+            with pytest.raises(StoreCorrupt, match=where + ": a run id is 12 lowercase hex characters"):
+                read()
+        assert s.verify_run(planted).state == "corrupt"
+        for write in (lambda: s.reopen_run(planted, from_step=0), lambda: s.finish_run(planted, status="failed")):
+            with pytest.raises(StoreCorrupt, match=where):
+                write()
+        with pytest.raises(ValueError, match="run_id must be 12 lowercase hex"):
+            s.log_scalars(planted, 1, {"a": 1.0})
+        assert s.get_run(good).run_id == good  # the valid run is still readable by id
+        report = s.check()
+        assert not report.ok and any(f"invalid run id {planted!r} (row 2)" in p for r in report.runs
+                                     for p in r.problems)
+
+
+# -- read-only media (oracle: a real read-only bind mount; root ignores chmod) ---------------------------------------
+
+@contextlib.contextmanager
+def _read_only_view(src: Path, dst: Path):
+    """``dst``: a read-only bind mount of the folder ``src`` (skips where mounting is not permitted)."""
+    dst.mkdir()
+    r = subprocess.run(["mount", "--bind", "-o", "ro", str(src), str(dst)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot make a read-only bind mount here ({r.stderr.strip() or r.returncode}); needs root "
+                    "with CAP_SYS_ADMIN")
+    try:
+        yield dst
+    finally:
+        gc.collect()  # close any connection left to a dying object before unmounting
+        if subprocess.run(["umount", str(dst)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(dst)], capture_output=True)
+
+
+def test_a_store_on_read_only_media_is_read_and_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lowprec.cli import main
+
+    src = tmp_path / "src"
+    with RunStore(src / "runs.db") as s:
+        rid = _new(s, "ro")
+        s.log_rows(rid, [(i, "train/loss", 1.0 / i) for i in range(1, 6)])
+        s.finish_run(rid, status="completed")
+    assert not (src / "runs.db-wal").exists()  # closed cleanly: no -wal, no -shm (immutable=1 is exact)
+    with _read_only_view(src, tmp_path / "ro") as ro, RunStore(ro / "runs.db", create=False) as s:
+        assert s.read_only and "not writable" in s.read_only
+        assert [r.run_id for r in s.list_runs()] == [rid] and s.get_run(rid).status == "completed"
+        assert s.scalars(rid)["train/loss"][0].tolist() == [1, 2, 3, 4, 5] and s.check().ok
+        with pytest.raises(StoreError, match=r"was opened read-only \(.*not writable\): it cannot record anything"):
+            s.log_scalars(rid, 6, {"train/loss": 0.1})
+        assert main(["runs", "list", "--store", str(ro / "runs.db")]) == 0
+        assert f"{rid}  completed" in capsys.readouterr().out
+        assert main(["store", "check", "--store", str(ro / "runs.db")]) == 0
+        assert "clean: 1 runs" in capsys.readouterr().out
+
+
+def test_read_only_media_with_a_pending_log_and_an_old_schema(tmp_path: Path) -> None:
+    """A copy taken while a writer was active (its -wal and -shm next to it) reads every commit (mode=ro, not
+    immutable); an old schema-1 store on read-only media is read as it is (nothing can be migrated there)."""
+    src = tmp_path / "src"
+    with RunStore(src / "runs.db") as s:
+        rid = _new(s)
+    con = sqlite3.connect(src / "runs.db", isolation_level=None)
+    con.execute("PRAGMA wal_autocheckpoint = 0")
+    try:
+        with RunStore(src / "runs.db") as writer:
+            writer.log_scalars(rid, 1, {"train/loss": 0.5})  # committed to the log only (no checkpoint)
+            with _read_only_view(src, tmp_path / "ro") as ro, RunStore(ro / "runs.db") as s:
+                assert s.read_only and s.scalars(rid)["train/loss"][1].tolist() == [0.5]
+    finally:
+        con.close()
+    old = tmp_path / "old"
+    old.mkdir()
+    con = sqlite3.connect(old / "runs.db")
+    with con:
+        con.execute("CREATE TABLE schema_version (version INTEGER NOT NULL, applied_at REAL NOT NULL)")
+        for statement in _store._V1:
+            con.execute(statement)
+        con.execute("INSERT INTO schema_version VALUES (1, 0)")
+        con.execute("INSERT INTO runs VALUES ('0123456789ab', 'old', NULL, 'completed', 1, 2, '{}', '{}', NULL, "
+                    "'h', 1, NULL)")
+        con.execute("INSERT INTO scalars VALUES ('0123456789ab', 1, 'train/loss', 0.25)")
+        con.execute("INSERT INTO baselines VALUES ('b', '{\"v\": 1}', 1, 1)")
+    con.close()
+    with _read_only_view(old, tmp_path / "ro-old") as ro, RunStore(ro / "runs.db") as s:
+        assert s._schema == 1 and [r.name for r in s.list_runs()] == ["old"]
+        assert s.scalars("0123456789ab")["train/loss"][1].tolist() == [0.25] and s.get_baseline("b") == {"v": 1}
+        report = s.check()
+        assert report.ok and [r.state for r in report.runs] == ["unverified"]
+    with RunStore(old / "runs.db") as s:  # writable again: migrated on open
+        assert s._schema == len(MIGRATIONS)
+
+
+# -- a mistyped --store (oracle: the file system: nothing is created) ------------------------------------------------
+
+def test_reading_commands_refuse_a_missing_store_writers_create_it(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from lowprec.cli import main
+
+    missing = tmp_path / "typo" / "runs.db"
+    for args in (["runs", "list"], ["runs", "show", "abcd1234"], ["runs", "export", "abcd1234"],
+                 ["stats", "abcd1234"], ["compare", "--baseline", "ref", "g"],
+                 ["report", "--baseline", "ref", "g", "--out", str(tmp_path / "r.html")], ["baselines", "list"],
+                 ["baselines", "export", "ref", str(tmp_path / "b.json")], ["store", "check"]):
+        assert main([*args, "--store", str(missing)]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith(f"lowprec: error: no run store at {missing} (the file does not exist): check --store"), \
+            (args, err)
+        assert not missing.parent.exists(), args
+    with RunStore(missing) as s:  # the library's default, and the writing commands', is to create it
+        assert s.list_runs() == []
+
+
+# -- a full disk (oracle: a real 4 MiB tmpfs filled up) --------------------------------------------------------------
+
+@contextlib.contextmanager
+def _small_disk(where: Path, size: str = "4M"):
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip() or r.returncode}); needs root with "
+                    "CAP_SYS_ADMIN")
+    try:
+        yield where
+    finally:
+        gc.collect()
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def _fill(disk: Path, leave: int) -> Path:
+    """Fill the file system of ``disk`` up to ``leave`` bytes free."""
+    st = os.statvfs(disk)
+    filler = disk / "filler"
+    filler.write_bytes(bytes(max(0, st.f_bavail * st.f_frsize - leave)))
+    return filler
+
+
+def test_a_full_disk_keeps_the_failure_reason(tmp_path: Path) -> None:
+    """When the disk is full, finish_run's error says so and still names the run's own failure reason."""
+    with _small_disk(tmp_path / "disk") as disk, RunStore(disk / "runs.db") as s:
+        rid = _new(s)
+        _fill(disk, 0)
+        with pytest.raises(StoreError, match=r"cannot write the run store at .*: the disk is full "):
+            for step in range(1, 100_000):
+                s.log_rows(rid, [(step, f"k{i}", float(i)) for i in range(50)])
+        with pytest.raises(StoreError, match=r"the disk is full .*; the run's failed status with its reason could "
+                                             r"not be recorded: RuntimeError: CUDA out of memory"):
+            for _ in range(100):  # a few commits may still fit in pages SQLite has already allocated
+                s.finish_run(rid, status="failed", error="RuntimeError: CUDA out of memory")
+                s.reopen_run(rid, from_step=0)
+
+
+def test_lowprec_run_on_a_full_disk_names_both_errors_and_the_run_reads_failed(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('model = "mlp-digits"\nsteps = 100000\neval_interval = 100000\nthreads = 1\n'
+                   "[checkpoint]\ninterval = 100000\n")
+    with _small_disk(tmp_path / "disk") as disk:
+        filler = _fill(disk, 600_000)
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                               os.environ.get("PYTHONPATH", "")]))
+        r = subprocess.run([sys.executable, "-m", "lowprec.cli", "run", str(cfg), "--store", str(disk / "runs.db"),
+                            "--quiet"], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 2 and "lowprec: error: cannot write the run store" in r.stderr, r.stderr
+        assert "the disk is full (database or disk is full)" in r.stderr, r.stderr
+        filler.unlink()
+        with RunStore(disk / "runs.db") as s:
+            (rec,) = s.list_runs()
+            assert s.verify_run(rec.run_id).state == "ok"  # what did get committed is intact
+        assert rec.status == "failed", rec
+        if "could not be recorded" in r.stderr:  # the failed status did not fit: the message names both errors
+            assert "failed status with its reason could not be recorded: StoreError: cannot write" in r.stderr
+            assert rec.error == f"process {rec.pid} ended without finishing the run"  # the dead-process rule
+        else:  # it fitted in the log's last pages: the reason is stored
+            assert rec.error is not None and "the disk is full" in rec.error, rec

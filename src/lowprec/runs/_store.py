@@ -27,11 +27,52 @@ the stored row is left as it is, so a reader never needs write access.  Runs fro
 and keep their stored status.
 
 NaN.  SQLite has no NaN (it stores a NaN REAL as NULL); the scalars table stores NULL for NaN and reads it back as
-NaN, so a diverged run keeps its NaN losses.  Infinities are stored as they are.
+NaN, so a diverged run keeps its NaN losses.  Infinities are stored as they are.  SQLite stores -0.0 as 0 (an
+integral REAL is kept as an integer), so it reads back as 0.0.
+
+Checksums (schema version 2).  SQLite's own ``PRAGMA integrity_check`` verifies the b-tree *structure*, not the
+*values*: a byte overwritten inside a stored float leaves a well-formed file that reads back a different number.
+So every row the judge reads carries a 64-bit BLAKE2b checksum of its content, computed in Python when it is
+written, in the same transaction: ``scalars`` (run id, step, key, value bits), ``events`` (event id, run id, step,
+kind, payload, time), ``runs`` (every column: name, group, status, times, config, manifest, error, owner) and
+``baselines`` (name, payload).  Per-row checksums keep a per-step ``log_scalars`` cheap (one hash per value, no
+read-modify-write of a digest); a replaced row carries its own new checksum, and truncation on resume needs no
+re-hashing.  What per-row checksums cannot see, a row that disappears, a per-run count in ``run_heads`` covers:
+``n_scalars`` / ``n_events`` are updated by every write in its transaction and compared with the rows found.
+Reads verify by default (``get_run``, ``list_runs``, ``scalars``, ``events``, ``get_baseline``: pass
+``verify=False`` to skip), so the judge, the report, baselines and exports never see a changed value: they get
+``StoreCorrupt`` naming the run and what differs.  ``check()`` (``lowprec store check``) runs
+``PRAGMA integrity_check`` and ``foreign_key_check`` and verifies every run and baseline.  The checksums detect
+accidental damage (bad sectors, a torn copy, an editor) with a miss rate of 2**-64 per damaged row; they are not a
+signature: someone who edits the file on purpose can recompute them.
+
+Runs written before version 2 have no checksums ("unverified", never an error).  A run is *sealed* (checksummed)
+when it has a ``run_heads`` row; its ``runs`` row then has a checksum too, and every scalar and event row must.
+The first write to an unsealed run after the migration (a resume, a new event) seals it first: checksums of its
+rows as they are then, in the same transaction; ``seal()`` (``lowprec store check --seal``) does so for every
+unsealed run and baseline.  Sealing trusts what is stored at that moment: check an old store before sealing it.
+
+Fencing.  A run has one writer group at a time.  ``create_run`` and ``reopen_run`` give the run a new *attempt* id
+(in ``run_heads``) and remember it in this ``RunStore`` object as its claim; every later write for that run from
+this object (``log_scalars``, ``log_rows``, ``add_event``, ``finish_run``, ``reopen_run``) checks, in its own
+transaction, that the stored attempt is still its claim, and raises ``RunTakenOver`` otherwise.  So when a run is
+resumed while a stale process still trains it (torchrun killed but its workers alive, a second ``--resume``), the
+stale writer fails at its next write instead of mixing its steps into the new attempt or flipping the run to
+"completed".  Writes from an object that never claimed the run (other ranks' ``rank_failure`` events, the
+launcher marking the run failed) always go through; a non-owner's ``finish_run`` also revokes the current attempt,
+so a writer group that outlives its launcher cannot complete a run the launcher declared failed.
+
+Opening.  ``RunStore(path, create=False)`` refuses a missing file (reading commands: a mistyped ``--store`` must
+not silently create an empty store).  A store whose file or folder is not writable (read-only media, another
+user's archive) is opened read-only (``mode=ro``; ``immutable=1`` when no ``-shm`` can be created and no
+write-ahead log is pending) and every write raises ``StoreError``; an older schema is then read as it is, without
+migrating (its runs are unverified).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 import json
 import math
@@ -40,17 +81,20 @@ import os
 import re
 import socket
 import sqlite3
+import struct
 import threading
 import time
+import urllib.parse
 import uuid
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-__all__ = ["DEFAULT_PATH", "MIGRATIONS", "RunRecord", "RunStore", "StoreError"]
+__all__ = ["DEFAULT_PATH", "MIGRATIONS", "BaselineCheck", "RunCheck", "RunRecord", "RunStore", "RunTakenOver",
+           "StoreCheck", "StoreCorrupt", "StoreError"]
 
 T = TypeVar("T")
 
@@ -61,6 +105,10 @@ MIN_PREFIX = 4
 BUSY_TIMEOUT_MS = 5_000  # one wait inside SQLite for the write lock ...
 WRITE_DEADLINE_S = 120.0  # ... retried with back-off until this deadline
 _RUN_ID = re.compile(r"[0-9a-f]{12}")
+CHECKSUM_VERSION = 2
+"""The schema version that added checksums and attempts: runs written before it are "unverified"."""
+UNVERIFIED = (f"written before the store had checksums (store schema version {CHECKSUM_VERSION}); "
+              "`lowprec store check --seal` records them")
 
 # MIGRATIONS[i] takes the schema from version i to version i + 1 (a tuple of statements, run in one transaction).
 _V1 = (
@@ -103,11 +151,33 @@ _V1 = (
         updated_at REAL NOT NULL
     )""",
 )
-MIGRATIONS: list[tuple[str, ...]] = [_V1]
+# Version 2: per-row checksums (NULL in rows written before it), and per run the writer's attempt and row counts.
+# ADD COLUMN rewrites nothing, so migrating a large store is instant.
+_V2 = (
+    "ALTER TABLE runs ADD COLUMN checksum INTEGER",
+    "ALTER TABLE scalars ADD COLUMN checksum INTEGER",
+    "ALTER TABLE events ADD COLUMN checksum INTEGER",
+    "ALTER TABLE baselines ADD COLUMN checksum INTEGER",
+    """CREATE TABLE run_heads (
+        run_id    TEXT PRIMARY KEY REFERENCES runs (run_id) ON DELETE CASCADE,
+        attempt   TEXT NOT NULL,     -- the current writer group's claim (fencing)
+        n_scalars INTEGER NOT NULL,  -- rows of the run in scalars / events (a lost row is seen)
+        n_events  INTEGER NOT NULL
+    ) WITHOUT ROWID""",
+)
+MIGRATIONS: list[tuple[str, ...]] = [_V1, _V2]
 
 
 class StoreError(ValueError):
     """The run store cannot do what was asked: unreadable/corrupt file, unwritable path, unknown run id, ..."""
+
+
+class StoreCorrupt(StoreError):
+    """What is stored does not match its checksums (or SQLite finds the file malformed): refused, never misread."""
+
+
+class RunTakenOver(StoreError):
+    """Another attempt now owns the run (it was resumed, or marked finished, elsewhere): this writer must stop."""
 
 
 @dataclass(frozen=True)
@@ -127,12 +197,142 @@ class RunRecord:
     pid: int | None = None  # pid of that process
 
 
+@dataclass(frozen=True)
+class RunCheck:
+    """The verdict of ``RunStore.verify_run`` on one run."""
+
+    run_id: str
+    name: str | None
+    state: Literal["ok", "unverified", "corrupt"]
+    problems: tuple[str, ...] = ()  # what is wrong ("corrupt"), or why it cannot be checked ("unverified")
+    rows: int = 0  # scalar and event rows checked
+
+    def line(self) -> str:
+        label = f"run {self.run_id}" + (f" ({self.name})" if self.name else "")
+        if self.state == "ok":
+            return f"{label}: ok ({self.rows} rows verified)"
+        if self.state == "unverified":
+            return f"{label}: unverified (" + "; ".join(self.problems) + ")"
+        return f"{label}: CORRUPT: " + "; ".join(self.problems)
+
+
+@dataclass(frozen=True)
+class BaselineCheck:
+    name: str
+    state: Literal["ok", "unverified", "corrupt"]
+    problem: str | None = None
+
+    def line(self) -> str:
+        if self.state == "corrupt":
+            return f"baseline {self.name!r}: CORRUPT: {self.problem}"
+        return f"baseline {self.name!r}: " + (self.state if self.problem is None else f"{self.state} ({self.problem})")
+
+
+@dataclass(frozen=True)
+class StoreCheck:
+    """``RunStore.check()``: SQLite's structural checks plus every run's and baseline's checksums."""
+
+    path: Path
+    problems: tuple[str, ...]  # store-wide: integrity_check and foreign_key_check findings
+    runs: tuple[RunCheck, ...] = ()
+    baselines: tuple[BaselineCheck, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Nothing corrupt (unverified runs written before checksums are not a failure)."""
+        return (not self.problems and all(r.state != "corrupt" for r in self.runs)
+                and all(b.state != "corrupt" for b in self.baselines))
+
+    def lines(self) -> list[str]:
+        out = [f"store {self.path}: " + ("SQLite integrity ok" if not self.problems else
+                                         "SQLITE INTEGRITY: " + "; ".join(self.problems))]
+        out += [r.line() for r in self.runs]
+        out += [b.line() for b in self.baselines]
+        n_bad = sum(r.state == "corrupt" for r in self.runs) + sum(b.state == "corrupt" for b in self.baselines)
+        n_unv = sum(r.state == "unverified" for r in self.runs) + sum(b.state == "unverified" for b in self.baselines)
+        verdict = "clean" if self.ok else "CORRUPT"
+        out.append(f"{verdict}: {len(self.runs)} runs, {len(self.baselines)} baselines, {n_bad} corrupt, "
+                   f"{n_unv} unverified" + ("" if not self.problems else ", SQLite integrity problems"))
+        return out
+
+
+# -- checksums -------------------------------------------------------------------------------------------------------
+
+_Q = struct.Struct("<q")
+_D = struct.Struct("<d")
+_I = struct.Struct("<I")
+
+
+def _digest(data: bytes) -> int:
+    """64-bit BLAKE2b of ``data`` as a signed integer (what an SQLite INTEGER holds)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def _text(s: str) -> bytes:
+    b = s.encode("utf-8", "surrogatepass")
+    return _I.pack(len(b)) + b
+
+
+def _fields(*values: Any) -> bytes:
+    """An unambiguous encoding: a type tag per value, then a fixed width or a length prefix."""
+    out = []
+    for v in values:
+        if v is None:
+            out.append(b"n")
+        elif isinstance(v, str):
+            out.append(b"s" + _text(v))
+        elif isinstance(v, float):
+            out.append(b"f" + _D.pack(v if v != 0.0 else 0.0))  # SQLite gives -0.0 back as 0.0
+        elif isinstance(v, int):
+            out.append(b"i" + _Q.pack(v))
+        else:  # pragma: no cover - every caller passes the column types above
+            raise TypeError(f"cannot checksum {type(v).__name__}")
+    return b"".join(out)
+
+
+def _real(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def scalar_checksum(run_id: str, step: int, key: str, value: float | None) -> int:
+    """Checksum of one scalars row (``value`` None for a stored NaN)."""
+    tail = b"n" if value is None else _D.pack(value if value != 0.0 else 0.0)
+    return _digest(b"S" + run_id.encode() + _Q.pack(step) + _text(key) + tail)
+
+
+def event_checksum(event_id: int, run_id: str, step: int, kind: str, payload: str, created_at: float) -> int:
+    return _digest(b"E" + _fields(int(event_id), run_id, int(step), kind, payload, float(created_at)))
+
+
+def run_checksum(row: Sequence[Any]) -> int:
+    """Checksum of a runs row given in ``_COLUMNS`` order."""
+    rid, name, grp, status, created, finished, config, manifest, error, host, pid, pid_start = row
+    return _digest(b"R" + _fields(rid, name, grp, status, _real(created), _real(finished), config, manifest, error,
+                                  host, None if pid is None else int(pid), pid_start))
+
+
+def baseline_checksum(name: str, payload: str) -> int:
+    return _digest(b"B" + _fields(name, payload))
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------------
+
 def _cannot_write(path: Path, why: str) -> str:
     return f"cannot write the run store at {path}: {why}; pass --store PATH or fix permissions"
 
 
 def _not_a_store(path: Path, why: str) -> str:
     return f"{path} is not a lowprec run store ({why}); move it away or pass --store"
+
+
+def _missing(path: Path) -> str:
+    return (f"no run store at {path} (the file does not exist): check --store, $LOWPREC_STORE or the config's "
+            "`store`; `lowprec run` and `lowprec baseline` create a store, reading commands do not")
+
+
+def _corrupt_hint(path: Path) -> str:
+    return (f"the store file was changed outside lowprec or is damaged; `lowprec store check --store {path}` "
+            "lists what is wrong")
 
 
 def _is_busy(e: sqlite3.Error) -> bool:
@@ -191,13 +391,88 @@ def _check_step(field: str, step: Any) -> int:
     return int(step)
 
 
+def _check_run_id(run_id: Any) -> str:
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise ValueError(f"run_id must be 12 lowercase hex characters (a full run id), got {run_id!r}")
+    return run_id
+
+
 def _scalar_row(step: Any, key: Any, value: Any) -> tuple[int, str, float | None]:
     _check_text("scalar key", key)
     try:
         v = float(value)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"scalar {key!r} at step {step} must be a real number, got {value!r}") from e
-    return _check_step(f"step of scalar {key!r}", step), key, (None if math.isnan(v) else v)
+    return _check_step(f"step of scalar {key!r}", step), key, (None if math.isnan(v) else (v if v != 0.0 else 0.0))
+
+
+def _new_attempt() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _loads(what: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise StoreCorrupt(f"{what} is not valid JSON ({e})") from None
+
+
+@dataclass
+class _Head:
+    """What a read needs to verify one run: whether it is sealed, and its recorded row counts."""
+
+    sealed: bool
+    n_scalars: int | None
+    n_events: int | None
+    problems: list[str] = field(default_factory=list)
+
+
+def _scalar_problems(run_id: str, rows: Sequence[tuple[str, int, float | None, int | None]],
+                     head: _Head) -> list[str]:
+    """Rows (key, step, value, checksum) of one run against their checksums and the recorded count."""
+    if not head.sealed:
+        n = sum(r[3] is not None for r in rows)
+        return [f"{n} scalar rows carry checksums but the run's checksum record is missing"] if n else []
+    bad: dict[str, list[int]] = {}
+    # scalar_checksum, unrolled: the run's prefix and each key's bytes are encoded once (~1.5 us a row)
+    prefix, keys = b"S" + run_id.encode(), dict[str, bytes]()
+    blake2b, pack_q, pack_d, from_bytes = hashlib.blake2b, _Q.pack, _D.pack, int.from_bytes
+    for key, step, value, checksum in rows:
+        try:
+            kb = keys.get(key)
+            if kb is None:
+                kb = keys[key] = _text(key)
+            tail = b"n" if value is None else pack_d(value if value != 0.0 else 0.0)
+            ok = checksum == from_bytes(blake2b(prefix + pack_q(step) + kb + tail, digest_size=8).digest(),
+                                        "little", signed=True)
+        except Exception:  # a damaged row may hold values of another type (text for a REAL, ...)
+            ok = False
+        if not ok:
+            bad.setdefault(str(key), []).append(step)
+    problems = [f"scalar {key!r}: {len(steps)} value(s) do not match their checksums (step {steps[0]}"
+                + (f" and {len(steps) - 1} more)" if len(steps) > 1 else ")") for key, steps in sorted(bad.items())]
+    if head.n_scalars is not None and head.n_scalars != len(rows):
+        problems.append(f"{head.n_scalars} scalar rows were recorded, {len(rows)} are stored")
+    return problems
+
+
+def _event_problems(run_id: str, rows: Sequence[tuple[int, int, str, str, float, int | None]],
+                    head: _Head) -> list[str]:
+    """Rows (event_id, step, kind, payload, created_at, checksum) of one run."""
+    if not head.sealed:
+        n = sum(r[5] is not None for r in rows)
+        return [f"{n} event rows carry checksums but the run's checksum record is missing"] if n else []
+    problems = []
+    for eid, step, kind, payload, created, checksum in rows:
+        try:
+            ok = checksum == event_checksum(eid, run_id, step, kind, payload, created)
+        except Exception:  # values of the wrong type in a damaged row
+            ok = False
+        if not ok:
+            problems.append(f"event {eid} ({kind!r} at step {step}) does not match its checksum")
+    if head.n_events is not None and head.n_events != len(rows):
+        problems.append(f"{head.n_events} events were recorded, {len(rows)} are stored")
+    return problems
 
 
 class RunStore:
@@ -206,35 +481,61 @@ class RunStore:
     Write methods (``log_scalars``, ``log_rows``, ``add_event``) take the full run id; the others also accept a
     unique prefix of at least 4 characters.  Safe to share between threads; after ``fork`` the child opens its
     own connection.  Use as a context manager or call ``close()``.
+
+    ``create=False`` refuses a path with no store (instead of creating an empty one there).  A store that cannot
+    be written (read-only file, folder or media) is opened read-only: ``read_only`` is then the reason, and
+    writes raise ``StoreError``.
     """
 
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH, *,
-                 synchronous: Literal["full", "normal"] = "normal") -> None:
+                 synchronous: Literal["full", "normal"] = "normal", create: bool = True) -> None:
         if synchronous not in ("full", "normal"):
             raise ValueError(f"synchronous must be 'full' or 'normal', got {synchronous!r}")
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.synchronous = synchronous
+        self.create = create
+        self.read_only: str | None = None
+        """None, or why the store was opened read-only."""
+        self._schema = len(MIGRATIONS)
         self._lock = threading.RLock()
         self._hostname = socket.gethostname()
         self._abandoned: list[sqlite3.Connection] = []  # connections inherited across fork: never touched again
         self._conn: sqlite3.Connection | None = None
         self._pid = os.getpid()
         self._closed = False
+        self._claims: dict[str, str] = {}  # run id -> the attempt this object created or reopened it with
         self._conn = self._open()
 
     # -- connection, errors, transactions ------------------------------------------------------------------------
+
+    def _why_read_only(self) -> str | None:
+        """None when the store can be written in WAL mode, else why not (the file, or its folder, is read-only)."""
+        path, parent = self.path, self.path.parent
+        if not os.access(path, os.W_OK):
+            return f"{path} is not writable"
+        if os.access(parent, os.W_OK | os.X_OK):
+            return None
+        wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
+        if all(p.exists() and os.access(p, os.W_OK) for p in (wal, shm)):
+            return None  # WAL files exist and are writable: nothing needs to be created in the folder
+        return f"its folder {parent} is not writable"
 
     def _open(self) -> sqlite3.Connection:
         path = self.path
         if path.is_dir():
             raise StoreError(_cannot_write(path, "it is a directory"))
+        if not path.exists():
+            if not self.create:
+                raise StoreError(_missing(path))
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreError(_cannot_write(path, f"cannot create {path.parent}: {e.strerror or e}")) from e
+        else:
+            self.read_only = self._why_read_only()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StoreError(_cannot_write(path, f"cannot create {path.parent}: {e.strerror or e}")) from e
-        try:
-            conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-                                   check_same_thread=False)
+            conn = self._connect_read_only() if self.read_only else sqlite3.connect(
+                path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as e:
             raise self._translate(e) from e
         try:
@@ -245,12 +546,29 @@ class RunStore:
             raise
         return conn
 
+    def _connect_read_only(self) -> sqlite3.Connection:
+        """``mode=ro``; where no ``-shm`` exists and none can be created (read-only media), ``immutable=1``, which
+        is exact only when no write-ahead log is pending (else refused: the log's commits would be ignored)."""
+        path = self.path
+        uri = "file:" + urllib.parse.quote(str(path))
+        shm, wal = Path(f"{path}-shm"), Path(f"{path}-wal")
+        immutable = not shm.exists() and not os.access(path.parent, os.W_OK | os.X_OK)
+        if immutable and wal.exists() and wal.stat().st_size > 0:
+            raise StoreError(f"cannot read the run store at {path}: it is on read-only storage with a pending "
+                             f"write-ahead log ({wal.name}) but no {shm.name}; copy the folder to writable storage "
+                             "and open the copy")
+        uri += "?mode=ro&immutable=1" if immutable else "?mode=ro"
+        return sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                               check_same_thread=False)
+
     def _configure(self, conn: sqlite3.Connection) -> None:
         def pragmas(c: sqlite3.Connection) -> str:
             c.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            c.execute("PRAGMA foreign_keys = ON")
+            if self.read_only:
+                return "wal"
             mode = c.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             c.execute(f"PRAGMA synchronous = {self.synchronous.upper()}")
-            c.execute("PRAGMA foreign_keys = ON")
             return str(mode)
 
         mode = self._retry(conn, pragmas, transaction=False)
@@ -274,7 +592,14 @@ class RunStore:
                                  "(pip install -U lowprec) to read it")
             return int(v or 0)
 
-        if self._retry(conn, version, transaction=False) == latest:
+        current = self._retry(conn, version, transaction=False)
+        if current == latest:
+            self._schema = latest
+            return
+        if self.read_only:  # read an older schema as it is: nothing can be migrated here
+            if current == 0:
+                raise StoreError(_not_a_store(self.path, f"it is empty, and read-only ({self.read_only})"))
+            self._schema = current
             return
 
         def migrate(c: sqlite3.Connection) -> None:
@@ -286,6 +611,7 @@ class RunStore:
                 c.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (v + 1, time.time()))
 
         self._retry(conn, migrate, transaction=True)
+        self._schema = latest
 
     def _translate(self, e: sqlite3.Error) -> StoreError:
         msg = str(e)
@@ -293,21 +619,29 @@ class RunStore:
         if _is_busy(e):
             return StoreError(f"the run store at {self.path} stayed locked by another process for more than "
                               f"{WRITE_DEADLINE_S:.0f} s ({msg})")
-        if "not a database" in low or "malformed" in low or "file is encrypted" in low:
-            return StoreError(_not_a_store(self.path, msg))
+        if ("not a database" in low or "malformed" in low or "file is encrypted" in low
+                or "could not decode" in low):
+            return StoreCorrupt(_not_a_store(self.path, msg))
+        if "full" in low:
+            return StoreError(_cannot_write(self.path, f"the disk is full ({msg})"))
+        if self.read_only and ("readonly" in low or "read-only" in low):
+            return StoreError(f"the run store at {self.path} is read-only ({self.read_only}): it cannot record "
+                              f"anything ({msg}); copy it to writable storage or fix permissions")
         if "unable to open" in low or "readonly" in low or "read-only" in low or "disk i/o" in low:
             return StoreError(_cannot_write(self.path, msg))
         return StoreError(f"run store at {self.path}: {msg}")
 
-    def _retry(self, conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], *, transaction: bool) -> T:
-        """Run ``fn`` (inside ``BEGIN IMMEDIATE ... COMMIT`` when ``transaction``), retrying while the db is busy."""
+    def _retry(self, conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], *,
+               transaction: bool | Literal["read"]) -> T:
+        """Run ``fn`` (inside ``BEGIN IMMEDIATE ... COMMIT`` when ``transaction``, ``BEGIN DEFERRED ... COMMIT``
+        when "read": one consistent snapshot), retrying while the db is busy."""
         deadline = time.monotonic() + WRITE_DEADLINE_S
         delay = 0.002
         while True:
             try:
                 if not transaction:
                     return fn(conn)
-                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("BEGIN" if transaction == "read" else "BEGIN IMMEDIATE")
                 try:
                     result = fn(conn)
                     conn.execute("COMMIT")
@@ -340,11 +674,15 @@ class RunStore:
 
     def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
-            return self._retry(self._connection(), fn, transaction=True)
+            conn = self._connection()
+            if self.read_only:
+                raise StoreError(f"the run store at {self.path} was opened read-only ({self.read_only}): it "
+                                 "cannot record anything; copy it to writable storage or fix permissions")
+            return self._retry(conn, fn, transaction=True)
 
     def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
-            return self._retry(self._connection(), fn, transaction=False)
+            return self._retry(self._connection(), fn, transaction="read")
 
     def close(self) -> None:
         """Close the connection (idempotent); later calls raise StoreError."""
@@ -361,12 +699,32 @@ class RunStore:
         self.close()
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickles (e.g. to a spawned process) as "open the same file"
-        return (_reopen, (str(self.path), self.synchronous))
+        return (_reopen, (str(self.path), self.synchronous, self.create))
 
     def __repr__(self) -> str:
         return f"RunStore({str(self.path)!r})"
 
+    # -- schema-dependent SQL ------------------------------------------------------------------------------------
+
+    @property
+    def _checksummed(self) -> bool:
+        return self._schema >= CHECKSUM_VERSION
+
+    def _col(self, name: str) -> str:
+        """``name`` in a store with checksums, NULL in an older one read as it is (read-only)."""
+        return name if self._checksummed else "NULL"
+
+    def _runs_sql(self) -> str:
+        cols = ", ".join(f"r.{c}" for c in self._COLUMNS.split(", "))
+        if not self._checksummed:
+            return f"SELECT {cols}, NULL, 0 FROM runs r"
+        return (f"SELECT {cols}, r.checksum, h.run_id IS NOT NULL FROM runs r "
+                "LEFT JOIN run_heads h ON h.run_id = r.run_id")
+
     # -- runs ----------------------------------------------------------------------------------------------------
+
+    _COLUMNS = ("run_id, name, grp, status, created_at, finished_at, config, manifest, error, hostname, pid, "
+                "pid_start")
 
     def _owner(self) -> tuple[str, int, str | None]:
         pid = os.getpid()
@@ -375,32 +733,53 @@ class RunStore:
 
     def create_run(self, *, name: str, config: dict, manifest: dict, group: str | None = None,
                    run_id: str | None = None) -> str:
-        """Record a new run with status "running"; returns its id (12 hex chars, random unless given)."""
+        """Record a new run with status "running"; returns its id (12 hex chars, random unless given).  This
+        object claims the run (see Fencing in the module docstring)."""
         _check_text("name", name)
         _check_text("group", group, optional=True)
         if run_id is not None and (not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id)):
             raise ValueError(f"run_id must be 12 lowercase hex characters, got {run_id!r}")
         config_json, manifest_json = _dumps("config", config), _dumps("manifest", manifest)
         host, pid, pid_start = self._owner()
+        attempt = _new_attempt()
 
         def insert(c: sqlite3.Connection) -> str:
             for _ in range(100):
                 rid = run_id or uuid.uuid4().hex[:12]
                 if c.execute("SELECT 1 FROM runs WHERE run_id = ?", (rid,)).fetchone() is None:
-                    c.execute("INSERT INTO runs (run_id, name, grp, status, created_at, config, manifest, hostname, "
-                              "pid, pid_start) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?)",
-                              (rid, name, group, time.time(), config_json, manifest_json, host, pid, pid_start))
+                    row = (rid, name, group, "running", time.time(), None, config_json, manifest_json, None, host,
+                           pid, pid_start)
+                    c.execute(f"INSERT INTO runs ({self._COLUMNS}, checksum) VALUES "
+                              "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, run_checksum(row)))
+                    c.execute("INSERT INTO run_heads (run_id, attempt, n_scalars, n_events) VALUES (?, ?, 0, 0)",
+                              (rid, attempt))
                     return rid
                 if run_id is not None:
                     raise StoreError(f"run id {run_id!r} already exists in {self.path}; pass another run_id")
             raise StoreError(f"could not draw an unused run id in {self.path}")  # pragma: no cover
 
-        return self._write(insert)
+        with self._lock:
+            rid = self._write(insert)
+            self._claims[rid] = attempt
+        return rid
 
     def _unknown_run(self, c: sqlite3.Connection, ident: str) -> StoreError:
         recent = c.execute("SELECT run_id, name FROM runs ORDER BY created_at DESC, rowid DESC LIMIT 5").fetchall()
         hint = ("; recent runs: " + ", ".join(f"{r} ({n})" for r, n in recent)) if recent else "; it has no runs yet"
         return StoreError(f"no run with id {ident!r} in {self.path}{hint}")
+
+    def _bad_id(self, c: sqlite3.Connection | None, run_id: Any) -> StoreCorrupt:
+        rowid = None
+        if c is not None:
+            try:
+                found = c.execute("SELECT rowid, name FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+                rowid = found and f"row {found[0]}, name {found[1]!r}"
+            except sqlite3.Error:
+                pass
+        where = f" ({rowid})" if rowid else ""
+        return StoreCorrupt(f"the run store at {self.path} holds a run with an invalid id {run_id!r}{where}: a run "
+                            "id is 12 lowercase hex characters, and lowprec never wrote this one (it would be used as "
+                            f"a file name); {_corrupt_hint(self.path)}")
 
     def _resolve(self, c: sqlite3.Connection, ident: str) -> str:
         if not isinstance(ident, str):
@@ -412,48 +791,169 @@ class RunStore:
                          "ORDER BY created_at DESC, rowid DESC",
                          (p, p + "~")).fetchall()  # '~' sorts after every hex digit: a prefix range scan
         if any(r == p for r, _ in rows):
-            return p
-        if not rows:
+            found = p
+        elif not rows:
             raise self._unknown_run(c, ident)
-        if len(rows) > 1:
+        elif len(rows) > 1:
             shown = ", ".join(f"{r} ({n})" for r, n in rows[:10]) + (" ..." if len(rows) > 10 else "")
             raise StoreError(f"run id prefix {ident!r} is ambiguous: it matches {len(rows)} runs: {shown}; "
                              "give more characters")
-        return str(rows[0][0])
+        else:
+            found = rows[0][0]
+        if not isinstance(found, str) or not _RUN_ID.fullmatch(found):
+            raise self._bad_id(c, found)
+        return found
 
-    def _record(self, row: tuple[Any, ...]) -> RunRecord:
-        run_id, name, grp, status, created, finished, config, manifest, error, host, pid, pid_start = row
-        if status == "running" and host == self._hostname and not _process_alive(pid, pid_start):
+    def _record(self, row: Sequence[Any], *, verify: bool = True, c: sqlite3.Connection | None = None) -> RunRecord:
+        """A RunRecord from a ``_runs_sql`` row (the columns, checksum, has-head); the id is always validated,
+        the checksum when ``verify``."""
+        (run_id, name, grp, status, created, finished, config, manifest, error, host, pid, pid_start,
+         checksum, has_head) = row
+        if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+            raise self._bad_id(c, run_id)
+        if verify:
+            problems = self._record_problems(row)
+            if problems:
+                raise StoreCorrupt(f"run {run_id} in {self.path}: {'; '.join(problems)}; {_corrupt_hint(self.path)}")
+        if (status == "running" and host == self._hostname and isinstance(pid, int)
+                and not _process_alive(pid, pid_start if isinstance(pid_start, str) else None)):
             status, error = "failed", f"process {pid} ended without finishing the run"
-        return RunRecord(run_id=run_id, name=name, group=grp, status=status, created_at=created,
-                         finished_at=finished, config=json.loads(config), manifest=json.loads(manifest), error=error,
-                         hostname=host, pid=pid)
+        try:
+            return RunRecord(run_id=run_id, name=name, group=grp, status=status, created_at=created,
+                             finished_at=finished, config=_loads(f"run {run_id}'s config", config),
+                             manifest=_loads(f"run {run_id}'s manifest", manifest), error=error, hostname=host,
+                             pid=pid)
+        except StoreCorrupt as e:
+            raise StoreCorrupt(f"{e} in {self.path}; {_corrupt_hint(self.path)}") from None
 
-    _COLUMNS = ("run_id, name, grp, status, created_at, finished_at, config, manifest, error, hostname, pid, "
-                "pid_start")
+    @staticmethod
+    def _record_problems(row: Sequence[Any]) -> list[str]:
+        checksum, has_head = row[12], bool(row[13])
+        if checksum is None:
+            return ["its record has no checksum but the run has a checksum head (the checksum was lost)"] \
+                if has_head else []
+        if not has_head:
+            return ["its checksum head (row counts and attempt) is missing"]
+        try:
+            ok = run_checksum(row[:12]) == checksum
+        except Exception:  # values of the wrong type in a damaged row
+            ok = False
+        return [] if ok else ["its record (name, group, status, times, config, manifest, error, owner) does not "
+                              "match its checksum"]
 
-    def get_run(self, run_id_or_prefix: str) -> RunRecord:
-        """The run with this id or unique id prefix (>= 4 chars); StoreError naming candidates otherwise."""
+    def _head(self, c: sqlite3.Connection, rid: str) -> _Head:
+        if not self._checksummed:
+            return _Head(sealed=False, n_scalars=None, n_events=None)
+        row = c.execute("SELECT r.checksum, h.n_scalars, h.n_events, h.run_id IS NOT NULL FROM runs r "
+                        "LEFT JOIN run_heads h ON h.run_id = r.run_id WHERE r.run_id = ?", (rid,)).fetchone()
+        if row is None:
+            return _Head(sealed=False, n_scalars=None, n_events=None, problems=["the run's record is missing"])
+        checksum, n_s, n_e, has_head = row
+        if has_head:
+            return _Head(sealed=True, n_scalars=n_s, n_events=n_e)
+        return _Head(sealed=checksum is not None, n_scalars=None, n_events=None)  # lost head: reported by _record
+
+    def get_run(self, run_id_or_prefix: str, *, verify: bool = True) -> RunRecord:
+        """The run with this id or unique id prefix (>= 4 chars); StoreError naming candidates otherwise.  With
+        ``verify`` (the default) its record is checked against its checksum (``StoreCorrupt``)."""
 
         def get(c: sqlite3.Connection) -> RunRecord:
             rid = self._resolve(c, run_id_or_prefix)
-            return self._record(c.execute(f"SELECT {self._COLUMNS} FROM runs WHERE run_id = ?", (rid,)).fetchone())
+            return self._record(c.execute(self._runs_sql() + " WHERE r.run_id = ?", (rid,)).fetchone(),
+                                verify=verify, c=c)
 
         return self._read(get)
 
-    def list_runs(self, *, group: str | None = None, status: str | None = None) -> list[RunRecord]:
-        """Runs, newest first, optionally only one group and/or one (shown) status."""
+    def list_runs(self, *, group: str | None = None, status: str | None = None,
+                  verify: bool = True) -> list[RunRecord]:
+        """Runs, newest first, optionally only one group and/or one (shown) status.  Every id is validated; with
+        ``verify`` every record is checked against its checksum (``StoreCorrupt`` names the first bad run)."""
         if status is not None and status not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
-        sql, args = f"SELECT {self._COLUMNS} FROM runs", tuple[str, ...]()
+        sql, args = self._runs_sql(), tuple[str, ...]()
         if group is not None:
-            sql, args = sql + " WHERE grp = ?", (group,)
-        rows = self._read(lambda c: c.execute(sql + " ORDER BY created_at DESC, rowid DESC", args).fetchall())
-        records = [self._record(r) for r in rows]
-        return [r for r in records if status is None or r.status == status]
+            sql, args = sql + " WHERE r.grp = ?", (group,)
+
+        def fetch(c: sqlite3.Connection) -> list[RunRecord]:
+            rows = c.execute(sql + " ORDER BY r.created_at DESC, r.rowid DESC", args).fetchall()
+            return [self._record(r, verify=verify, c=c) for r in rows]
+
+        return [r for r in self._read(fetch) if status is None or r.status == status]
+
+    # -- fencing and sealing (inside a write transaction) --------------------------------------------------------
+
+    def _taken_over(self, rid: str, mine: str, theirs: str | None) -> RunTakenOver:
+        return RunTakenOver(f"run {rid} was taken over by another attempt (this writer's attempt {mine}, the store's "
+                            f"{theirs}: another process resumed the run or marked it finished); this writer stops")
+
+    def _seal(self, c: sqlite3.Connection, rid: str) -> None:
+        """Give an unsealed run (written before checksums) its checksums and head, from its rows as they are."""
+        row = c.execute(f"SELECT {self._COLUMNS}, checksum FROM runs WHERE run_id = ?", (rid,)).fetchone()
+        if row is None:
+            raise self._unknown_run(c, rid)
+        if row[12] is not None:
+            raise StoreCorrupt(f"run {rid} in {self.path}: its checksum head (row counts and attempt) is missing; "
+                               f"{_corrupt_hint(self.path)}")
+        c.execute("UPDATE runs SET checksum = ? WHERE run_id = ?", (run_checksum(row[:12]), rid))
+        todo = c.execute("SELECT step, key, value FROM scalars WHERE run_id = ? AND checksum IS NULL",
+                         (rid,)).fetchall()
+        c.executemany("UPDATE scalars SET checksum = ? WHERE run_id = ? AND key = ? AND step = ?",
+                      [(scalar_checksum(rid, s, k, v), rid, k, s) for s, k, v in todo])
+        events = c.execute("SELECT event_id, step, kind, payload, created_at FROM events WHERE run_id = ? "
+                           "AND checksum IS NULL", (rid,)).fetchall()
+        c.executemany("UPDATE events SET checksum = ? WHERE event_id = ?",
+                      [(event_checksum(e, rid, s, k, p, t), e) for e, s, k, p, t in events])
+        n_s = c.execute("SELECT COUNT(*) FROM scalars WHERE run_id = ?", (rid,)).fetchone()[0]
+        n_e = c.execute("SELECT COUNT(*) FROM events WHERE run_id = ?", (rid,)).fetchone()[0]
+        c.execute("INSERT INTO run_heads (run_id, attempt, n_scalars, n_events) VALUES (?, ?, ?, ?)",
+                  (rid, _new_attempt(), n_s, n_e))
+
+    def _claimed_head(self, c: sqlite3.Connection, rid: str) -> str:
+        """The run's current attempt, after sealing an unsealed run; RunTakenOver when this object claimed the
+        run and the claim is no longer current."""
+        head = c.execute("SELECT attempt FROM run_heads WHERE run_id = ?", (rid,)).fetchone()
+        if head is None:
+            self._seal(c, rid)
+            head = c.execute("SELECT attempt FROM run_heads WHERE run_id = ?", (rid,)).fetchone()
+        mine = self._claims.get(rid)
+        if mine is not None and head[0] != mine:
+            raise self._taken_over(rid, mine, head[0])
+        return str(head[0])
+
+    def _count(self, c: sqlite3.Connection, rid: str, *, scalars: int = 0, events: int = 0) -> None:
+        """Add new rows to the run's counts, fenced: one UPDATE that matches only while this object's claim (if
+        it has one) is current; sealing an unsealed run on its first write."""
+        mine = self._claims.get(rid)
+        sql = "UPDATE run_heads SET n_scalars = n_scalars + ?, n_events = n_events + ? WHERE run_id = ?"
+        args: tuple[Any, ...] = (scalars, events, rid)
+        if mine is not None:
+            sql, args = sql + " AND attempt = ?", (*args, mine)
+        if c.execute(sql, args).rowcount == 1:
+            return
+        head = c.execute("SELECT attempt FROM run_heads WHERE run_id = ?", (rid,)).fetchone()
+        if head is not None:
+            raise self._taken_over(rid, str(mine), head[0])
+        self._seal(c, rid)  # counts every row, the ones just written included
+        if mine is not None:
+            raise self._taken_over(rid, mine, None)
+
+    def _rewrite_run(self, c: sqlite3.Connection, rid: str, **changes: Any) -> None:
+        """UPDATE columns of a runs row and its checksum."""
+        row = dict(zip(self._COLUMNS.split(", "),
+                       c.execute(f"SELECT {self._COLUMNS} FROM runs WHERE run_id = ?", (rid,)).fetchone(),
+                       strict=True))
+        row.update(changes)
+        sets = ", ".join(f"{k} = ?" for k in changes)
+        c.execute(f"UPDATE runs SET {sets}, checksum = ? WHERE run_id = ?",
+                  (*changes.values(), run_checksum(list(row.values())), rid))
 
     def finish_run(self, run_id: str, *, status: str, error: str | None = None) -> None:
-        """Mark the run "completed" or "failed" (with ``error`` saying why) and stamp ``finished_at``."""
+        """Mark the run "completed" or "failed" (with ``error`` saying why) and stamp ``finished_at``.
+
+        From the object that claimed the run: only while its claim is current (``RunTakenOver`` otherwise).  From
+        any other object (a launcher, another rank): always, and it revokes the current attempt, so a writer that
+        outlived its launcher cannot flip the run afterwards.  When the store cannot be written (a full disk), the
+        ``StoreError`` names ``error`` too, so the reason is not lost."""
         if status not in FINAL_STATUSES:
             raise ValueError(f"status must be one of {', '.join(FINAL_STATUSES)}, got {status!r}")
         if error is not None and not isinstance(error, str):
@@ -461,24 +961,39 @@ class RunStore:
 
         def finish(c: sqlite3.Connection) -> None:
             rid = self._resolve(c, run_id)
-            c.execute("UPDATE runs SET status = ?, finished_at = ?, error = ? WHERE run_id = ?",
-                      (status, time.time(), error, rid))
+            current = self._claimed_head(c, rid)
+            attempt = current if rid in self._claims else _new_attempt()
+            self._rewrite_run(c, rid, status=status, finished_at=time.time(), error=error)
+            c.execute("UPDATE run_heads SET attempt = ? WHERE run_id = ?", (attempt, rid))
 
-        self._write(finish)
+        try:
+            self._write(finish)
+        except StoreError as e:
+            if error is None:
+                raise
+            raise type(e)(f"{e}; the run's {status} status with its reason could not be recorded: {error}") from e
 
     def reopen_run(self, run_id: str, *, from_step: int) -> None:
-        """Resume: status back to "running" owned by this process; scalars and events after ``from_step`` deleted."""
+        """Resume: status back to "running" owned by this process; scalars and events after ``from_step`` deleted.
+        The run gets a new attempt, claimed by this object: an earlier writer of the run stops at its next write."""
         from_step = _check_step("from_step", from_step)
         host, pid, pid_start = self._owner()
+        attempt = _new_attempt()
 
-        def reopen(c: sqlite3.Connection) -> None:
+        def reopen(c: sqlite3.Connection) -> str:
             rid = self._resolve(c, run_id)
-            c.execute("UPDATE runs SET status = 'running', finished_at = NULL, error = NULL, hostname = ?, pid = ?, "
-                      "pid_start = ? WHERE run_id = ?", (host, pid, pid_start, rid))
-            c.execute("DELETE FROM scalars WHERE run_id = ? AND step > ?", (rid, from_step))
-            c.execute("DELETE FROM events WHERE run_id = ? AND step > ?", (rid, from_step))
+            self._claimed_head(c, rid)
+            self._rewrite_run(c, rid, status="running", finished_at=None, error=None, hostname=host, pid=pid,
+                              pid_start=pid_start)
+            n_s = c.execute("DELETE FROM scalars WHERE run_id = ? AND step > ?", (rid, from_step)).rowcount
+            n_e = c.execute("DELETE FROM events WHERE run_id = ? AND step > ?", (rid, from_step)).rowcount
+            c.execute("UPDATE run_heads SET attempt = ?, n_scalars = n_scalars - ?, n_events = n_events - ? "
+                      "WHERE run_id = ?", (attempt, n_s, n_e, rid))
+            return rid
 
-        self._write(reopen)
+        with self._lock:
+            rid = self._write(reopen)
+            self._claims[rid] = attempt
 
     # -- scalars and events --------------------------------------------------------------------------------------
 
@@ -489,61 +1004,210 @@ class RunStore:
         self.log_rows(run_id, [(step, k, v) for k, v in values.items()])
 
     def log_rows(self, run_id: str, rows: Iterable[tuple[int, str, float]]) -> None:
-        """Store many (step, key, value) rows in one transaction (INSERT OR REPLACE)."""
-        batch = [(run_id, *_scalar_row(*row)) for row in rows]
+        """Store many (step, key, value) rows in one transaction; a repeated (key, step) replaces (the last one of
+        a batch wins).  Each row carries its checksum; the run's row count and the fencing check are one UPDATE."""
+        _check_run_id(run_id)
+        batch = []
+        for row in rows:
+            step, key, value = _scalar_row(*row)
+            batch.append((run_id, step, key, value, scalar_checksum(run_id, step, key, value)))
         if not batch:
             return
 
         def insert(c: sqlite3.Connection) -> None:
             try:
-                c.executemany("INSERT OR REPLACE INTO scalars (run_id, step, key, value) VALUES (?, ?, ?, ?)", batch)
+                new = c.executemany("INSERT OR IGNORE INTO scalars (run_id, step, key, value, checksum) "
+                                    "VALUES (?, ?, ?, ?, ?)", batch).rowcount
             except sqlite3.IntegrityError as e:
                 raise self._unknown_run(c, run_id) from e
+            if new < len(batch):  # some (key, step) existed: replace them, in order
+                c.executemany("UPDATE scalars SET value = ?, checksum = ? WHERE run_id = ? AND key = ? AND step = ?",
+                              [(v, h, r, k, s) for r, s, k, v, h in batch])
+            self._count(c, run_id, scalars=new)
 
         self._write(insert)
 
     def add_event(self, run_id: str, *, step: int, kind: str, payload: dict) -> None:
         """Record an event (e.g. ``kind="nonfinite"``) at ``step`` with a JSON-able payload."""
+        _check_run_id(run_id)
         step = _check_step("step", step)
         _check_text("kind", kind)
         payload_json = _dumps("payload", payload)
 
         def insert(c: sqlite3.Connection) -> None:
+            now = time.time()
             try:
-                c.execute("INSERT INTO events (run_id, step, kind, payload, created_at) VALUES (?, ?, ?, ?, ?)",
-                          (run_id, step, kind, payload_json, time.time()))
+                eid = c.execute("INSERT INTO events (run_id, step, kind, payload, created_at) VALUES (?, ?, ?, ?, ?)",
+                                (run_id, step, kind, payload_json, now)).lastrowid
             except sqlite3.IntegrityError as e:
                 raise self._unknown_run(c, run_id) from e
+            assert eid is not None
+            c.execute("UPDATE events SET checksum = ? WHERE event_id = ?",
+                      (event_checksum(eid, run_id, step, kind, payload_json, now), eid))
+            self._count(c, run_id, events=1)
 
         self._write(insert)
 
-    def scalars(self, run_id: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """key -> (steps int64, values float64), steps ascending; NaN where NaN was logged."""
+    def _fetch_scalars(self, c: sqlite3.Connection, rid: str) -> list[tuple[str, int, float | None, int | None]]:
+        return c.execute(f"SELECT key, step, value, {self._col('checksum')} FROM scalars WHERE run_id = ? "
+                         "ORDER BY key, step", (rid,)).fetchall()
 
-        def fetch(c: sqlite3.Connection) -> list[tuple[str, int, float | None]]:
+    def _fetch_events(self, c: sqlite3.Connection, rid: str) -> list[tuple[int, int, str, str, float, int | None]]:
+        return c.execute(f"SELECT event_id, step, kind, payload, created_at, {self._col('checksum')} FROM events "
+                         "WHERE run_id = ? ORDER BY step, event_id", (rid,)).fetchall()
+
+    def _refuse(self, rid: str, problems: list[str]) -> None:
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise StoreCorrupt(f"run {rid} in {self.path} does not match its checksums: {shown}; "
+                               f"{_corrupt_hint(self.path)}")
+
+    def scalars(self, run_id: str, *, verify: bool = True) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """key -> (steps int64, values float64), steps ascending; NaN where NaN was logged.  With ``verify`` (the
+        default) every row is checked against its checksum and the run's row count (``StoreCorrupt``)."""
+
+        def fetch(c: sqlite3.Connection) -> tuple[str, list[Any], _Head | None]:
             rid = self._resolve(c, run_id)
-            return c.execute("SELECT key, step, value FROM scalars WHERE run_id = ? ORDER BY key, step",
-                             (rid,)).fetchall()
+            return rid, self._fetch_scalars(c, rid), (self._head(c, rid) if verify else None)
 
+        rid, rows, head = self._read(fetch)
+        if head is not None:
+            self._refuse(rid, head.problems + _scalar_problems(rid, rows, head))
         out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for key, group in itertools.groupby(self._read(fetch), key=lambda r: r[0]):
-            rows = list(group)
-            out[key] = (np.array([r[1] for r in rows], dtype=np.int64),
-                        np.array([r[2] for r in rows], dtype=np.float64))  # None (stored NaN) -> nan
+        for key, group in itertools.groupby(rows, key=lambda r: r[0]):
+            items = list(group)
+            out[key] = (np.array([r[1] for r in items], dtype=np.int64),
+                        np.array([r[2] for r in items], dtype=np.float64))  # None (stored NaN) -> nan
         return out
 
-    def events(self, run_id: str, kind: str | None = None) -> list[dict]:
-        """Events in step order: ``{"step": int, "kind": str, "payload": dict}``, optionally of one kind only."""
+    def events(self, run_id: str, kind: str | None = None, *, verify: bool = True) -> list[dict]:
+        """Events in step order: ``{"step": int, "kind": str, "payload": dict}``, optionally of one kind only.
+        With ``verify`` (the default) every event of the run is checked against its checksum and the count."""
 
-        def fetch(c: sqlite3.Connection) -> list[tuple[int, str, str]]:
+        def fetch(c: sqlite3.Connection) -> tuple[str, list[Any], _Head | None]:
             rid = self._resolve(c, run_id)
-            args: tuple[str, ...] = (rid,)
-            sql = "SELECT step, kind, payload FROM events WHERE run_id = ?"
-            if kind is not None:
-                sql, args = sql + " AND kind = ?", (rid, kind)
-            return c.execute(sql + " ORDER BY step, event_id", args).fetchall()
+            return rid, self._fetch_events(c, rid), (self._head(c, rid) if verify else None)
 
-        return [{"step": s, "kind": k, "payload": json.loads(p)} for s, k, p in self._read(fetch)]
+        rid, rows, head = self._read(fetch)
+        if head is not None:
+            self._refuse(rid, head.problems + _event_problems(rid, rows, head))
+        return [{"step": s, "kind": k, "payload": _loads(f"run {rid}'s event {e} payload", p)}
+                for e, s, k, p, _, _ in rows if kind is None or k == kind]
+
+    def verify_run(self, run_id: str) -> RunCheck:
+        """Check one run (its record, every scalar and event row, the row counts) against its checksums; never
+        raises for what it finds (an unknown id still raises StoreError)."""
+
+        def fetch(c: sqlite3.Connection) -> tuple[Any, ...]:
+            rid = self._resolve(c, run_id)
+            row = c.execute(self._runs_sql() + " WHERE r.run_id = ?", (rid,)).fetchone()
+            return rid, row, self._head(c, rid), self._fetch_scalars(c, rid), self._fetch_events(c, rid)
+
+        try:
+            rid, row, head, scalars, events = self._read(fetch)
+        except StoreCorrupt as e:
+            return RunCheck(run_id=str(run_id), name=None, state="corrupt", problems=(str(e),))
+        return self._judge_run(rid, row, head, scalars, events)
+
+    def _judge_run(self, rid: str, row: Sequence[Any], head: _Head, scalars: list[Any],
+                   events: list[Any]) -> RunCheck:
+        problems = self._record_problems(row) + head.problems
+        problems += _scalar_problems(rid, scalars, head) + _event_problems(rid, events, head)
+        for what, text in (("config", row[6]), ("manifest", row[7])):
+            try:
+                json.loads(text)
+            except (TypeError, ValueError) as e:
+                problems.append(f"its {what} is not valid JSON ({e})")
+        n = len(scalars) + len(events)
+        if problems:
+            return RunCheck(run_id=rid, name=row[1], state="corrupt", problems=tuple(problems), rows=n)
+        if not head.sealed:
+            return RunCheck(run_id=rid, name=row[1], state="unverified", problems=(UNVERIFIED,), rows=n)
+        return RunCheck(run_id=rid, name=row[1], state="ok", rows=n)
+
+    # -- the whole store -----------------------------------------------------------------------------------------
+
+    def check(self) -> StoreCheck:
+        """``PRAGMA integrity_check`` and ``foreign_key_check``, then ``verify_run`` of every run and the checksum
+        of every baseline.  What is found is reported, never raised (see ``StoreCheck.ok``)."""
+        problems: list[str] = []
+
+        def structure(c: sqlite3.Connection) -> None:
+            found = [str(r[0]) for r in c.execute("PRAGMA integrity_check(100)")]
+            if found != ["ok"]:
+                problems.extend(found)
+            orphans: dict[str, int] = {}
+            for table, *_ in c.execute("PRAGMA foreign_key_check"):
+                orphans[table] = orphans.get(table, 0) + 1
+            problems.extend(f"{n} rows of table {t} belong to no run" for t, n in sorted(orphans.items()))
+
+        try:
+            self._read(structure)
+        except StoreError as e:
+            problems.append(str(e))
+        runs: list[RunCheck] = []
+        try:
+            ids = self._read(lambda c: [(r[0], r[1]) for r in
+                                        c.execute("SELECT run_id, rowid FROM runs ORDER BY created_at, rowid")])
+        except StoreError as e:
+            return StoreCheck(path=self.path, problems=(*problems, str(e)))
+        for rid, rowid in ids:
+            if not isinstance(rid, str) or not _RUN_ID.fullmatch(rid):
+                runs.append(RunCheck(run_id=repr(rid), name=None, state="corrupt",
+                                     problems=(f"invalid run id {rid!r} (row {rowid})",)))
+                continue
+            try:
+                runs.append(self.verify_run(rid))
+            except Exception as e:  # a damaged file can break any read: report it, never crash the check
+                runs.append(RunCheck(run_id=rid, name=None, state="corrupt", problems=(f"{type(e).__name__}: {e}",)))
+        return StoreCheck(path=self.path, problems=tuple(problems), runs=tuple(runs),
+                          baselines=tuple(self._check_baselines()))
+
+    def _check_baselines(self) -> list[BaselineCheck]:
+        try:
+            rows = self._read(lambda c: c.execute(f"SELECT name, payload, {self._col('checksum')} FROM baselines "
+                                                  "ORDER BY name").fetchall())
+        except StoreError as e:
+            return [BaselineCheck(name="*", state="corrupt", problem=str(e))]
+        out = []
+        for name, payload, checksum in rows:
+            problem = self._baseline_problem(name, payload, checksum)
+            state: Literal["ok", "unverified", "corrupt"] = (
+                "corrupt" if problem else "unverified" if checksum is None else "ok")
+            out.append(BaselineCheck(name=str(name), state=state, problem=problem or (
+                UNVERIFIED if checksum is None else None)))
+        return out
+
+    @staticmethod
+    def _baseline_problem(name: Any, payload: Any, checksum: int | None) -> str | None:
+        if checksum is not None:
+            try:
+                if baseline_checksum(name, payload) != checksum:
+                    return "its payload does not match its checksum"
+            except Exception:
+                return "its row holds values of the wrong type"
+        try:
+            json.loads(payload)
+        except (TypeError, ValueError) as e:
+            return f"its payload is not valid JSON ({e})"
+        return None
+
+    def seal(self) -> tuple[int, int]:
+        """Record checksums for every run and baseline written before the store had them (trusting what is stored
+        now: check first); returns (runs sealed, baselines sealed)."""
+        ids = self._read(lambda c: [r[0] for r in c.execute(
+            "SELECT r.run_id FROM runs r LEFT JOIN run_heads h ON h.run_id = r.run_id "
+            "WHERE h.run_id IS NULL AND r.checksum IS NULL")])
+        for rid in ids:
+            self._write(functools.partial(self._seal, rid=rid))
+
+        def baselines(c: sqlite3.Connection) -> int:
+            rows = c.execute("SELECT name, payload FROM baselines WHERE checksum IS NULL").fetchall()
+            c.executemany("UPDATE baselines SET checksum = ? WHERE name = ?",
+                          [(baseline_checksum(n, p), n) for n, p in rows])
+            return len(rows)
+
+        return len(ids), self._write(baselines)
 
     # -- baselines -----------------------------------------------------------------------------------------------
 
@@ -551,37 +1215,45 @@ class RunStore:
         """Store a baseline's JSON-able dict under ``name``; StoreError if it exists and not ``overwrite``."""
         _check_text("baseline name", name)
         payload_json = _dumps("baseline payload", payload)
+        checksum = baseline_checksum(name, payload_json)
 
         def save(c: sqlite3.Connection) -> None:
             now = time.time()
             if c.execute("SELECT 1 FROM baselines WHERE name = ?", (name,)).fetchone() is None:
-                c.execute("INSERT INTO baselines (name, payload, created_at, updated_at) VALUES (?, ?, ?, ?)",
-                          (name, payload_json, now, now))
+                c.execute("INSERT INTO baselines (name, payload, created_at, updated_at, checksum) "
+                          "VALUES (?, ?, ?, ?, ?)", (name, payload_json, now, now, checksum))
             elif overwrite:
-                c.execute("UPDATE baselines SET payload = ?, updated_at = ? WHERE name = ?", (payload_json, now, name))
+                c.execute("UPDATE baselines SET payload = ?, updated_at = ?, checksum = ? WHERE name = ?",
+                          (payload_json, now, checksum, name))
             else:
                 raise StoreError(f"baseline {name!r} already exists in {self.path}; pass overwrite=True "
                                  "(--overwrite) to replace it, or choose another name")
 
         self._write(save)
 
-    def get_baseline(self, name: str) -> dict:
-        """The baseline dict stored under ``name``; StoreError naming the known baselines when missing."""
+    def get_baseline(self, name: str, *, verify: bool = True) -> dict:
+        """The baseline dict stored under ``name``; StoreError naming the known baselines when missing, and
+        ``StoreCorrupt`` when ``verify`` finds that it does not match its checksum."""
 
-        def get(c: sqlite3.Connection) -> dict:
-            row = c.execute("SELECT payload FROM baselines WHERE name = ?", (name,)).fetchone()
+        def get(c: sqlite3.Connection) -> tuple[str, int | None]:
+            row = c.execute(f"SELECT payload, {self._col('checksum')} FROM baselines WHERE name = ?",
+                            (name,)).fetchone()
             if row is None:
                 known = [r[0] for r in c.execute("SELECT name FROM baselines ORDER BY name")]
                 hint = f"known baselines: {', '.join(known)}" if known else "no baselines are saved there yet"
                 raise StoreError(f"no baseline named {name!r} in {self.path}; {hint}")
-            return dict(json.loads(row[0]))
+            return row[0], row[1]
 
-        return self._read(get)
+        payload, checksum = self._read(get)
+        problem = self._baseline_problem(name, payload, checksum) if verify else None
+        if problem:
+            raise StoreCorrupt(f"baseline {name!r} in {self.path}: {problem}; {_corrupt_hint(self.path)}")
+        return dict(_loads(f"baseline {name!r}", payload))
 
     def list_baselines(self) -> list[str]:
         """Names of the stored baselines, sorted."""
         return self._read(lambda c: [r[0] for r in c.execute("SELECT name FROM baselines ORDER BY name")])
 
 
-def _reopen(path: str, synchronous: Literal["full", "normal"]) -> RunStore:
-    return RunStore(path, synchronous=synchronous)
+def _reopen(path: str, synchronous: Literal["full", "normal"], create: bool = True) -> RunStore:
+    return RunStore(path, synchronous=synchronous, create=create)
