@@ -98,11 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quant-demo", help="quantize a tensor with every named spec and print the error")
     q.add_argument("--seed", type=int, default=0, help="seed for the demo tensor (default 0)")
     q.set_defaults(func=cmd_quant_demo)
-    from . import _cli_accuracy, _cli_precision, _cli_runs
+    from . import _cli_accuracy, _cli_precision, _cli_runs, _cli_store
 
     _cli_runs.add_parsers(sub)
     _cli_precision.add_parsers(sub)
     _cli_accuracy.add_parsers(sub)
+    _cli_store.add_parsers(sub)
     return p
 
 
