@@ -171,3 +171,62 @@ def test_tensorboard_missing_says_how_to_install(store: RunStore, run: str, tmp_
     with pytest.raises(ValueError, match="pip install tensorboard"):
         export_tensorboard(store, run, tmp_path)
     assert not (tmp_path / run).exists()  # nothing written before the check
+
+
+# -- run ids that would escape the output folder (oracle: the file system around tmp_path) -----------------------
+
+def _plant(path: Path, run_id: str, config: dict) -> None:
+    """A run with id ``run_id`` added by editing the SQLite file, checksum and head made valid (as an attacker who
+    knows the format would), so that only the id checks stand in the way."""
+    import sqlite3
+
+    con = sqlite3.connect(path)
+    with con:
+        row = (run_id, "planted", None, "failed", 1.0, 2.0, json.dumps(config), json.dumps({"seed": 0}), "x", "h",
+               1, None)
+        con.execute(f"INSERT INTO runs ({RunStore._COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+        if any(c[1] == "checksum" for c in con.execute("PRAGMA table_info(runs)")):  # (a store before it: no)
+            from lowprec.runs._store import run_checksum
+
+            con.execute("UPDATE runs SET checksum = ? WHERE run_id = ?", (run_checksum(row), run_id))
+            con.execute("INSERT INTO run_heads VALUES (?, 'x', 0, 0)", (run_id,))
+    con.close()
+
+
+def test_run_dir_refuses_ids_that_are_not_run_ids_and_paths_that_escape(tmp_path: Path) -> None:
+    from lowprec.runs._export import run_dir
+
+    assert run_dir(tmp_path, "0123456789ab") == tmp_path / "0123456789ab"
+    for bad in ("../..", "/abs/path", "..", "0123456789a/", "0123456789AB", ""):
+        with pytest.raises(ValueError, match="a run id is 12 lowercase hex characters"):
+            run_dir(tmp_path, bad)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "0123456789ab").symlink_to(outside)  # a planted link
+    with pytest.raises(ValueError, match="outside"):
+        run_dir(tmp_path / "logs", "0123456789ab")
+
+
+@pytest.mark.parametrize("planted", ["../..", "/abs/path"])
+def test_a_planted_run_id_cannot_make_export_or_resume_write_elsewhere(tmp_path: Path, planted: str,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from lowprec.cli import main
+
+    root = tmp_path / "work"
+    root.mkdir()
+    path = root / "runs.db"
+    RunStore(path).close()
+    _plant(path, planted, {"model": "mlp-digits", "steps": 5, "store": str(path)})
+    before = sorted(p for p in tmp_path.rglob("*"))
+    with RunStore(path) as s:
+        with pytest.raises(ValueError, match=f"invalid id {planted!r}"):
+            export_tensorboard(s, planted, root / "tb")
+    for args in (["runs", "export", planted, "--format", "tensorboard", "--out", str(root / "tb")],
+                 ["run", "--resume", planted], ["runs", "show", planted], ["runs", "list"]):
+        assert main([*args, "--store", str(path)]) == 2, args
+        err = capsys.readouterr().err
+        assert f"holds a run with an invalid id {planted!r} (row 1, name 'planted')" in err, (args, err)
+    after = sorted(p for p in tmp_path.rglob("*") if not p.name.startswith("runs.db-"))
+    assert after == [p for p in before if not p.name.startswith("runs.db-")]  # nothing written anywhere
+    assert planted != "/abs/path" or not Path("/abs/path").exists()

@@ -16,6 +16,11 @@ half-written export, and a failed export leaves the previous file untouched.
 
 TensorBoard export writes real event files with ``torch.utils.tensorboard.SummaryWriter`` (one ``add_scalar`` per
 stored value, stored as float32 by the event format), plus the config, manifest and events as text summaries.
+
+Every export reads through the store's verified reads: a run whose stored values do not match their checksums is
+refused (``StoreCorrupt``), never exported.  The run id becomes a directory name under ``logdir``; the store
+refuses ids that are not 12 lowercase hex characters, and ``run_dir`` checks again that the directory it builds is
+inside ``logdir`` (a planted id such as ``../..`` or ``/abs/path`` cannot make an export write elsewhere).
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from ._atomic import atomic_write_bytes, atomic_write_text
-from ._store import RunRecord, RunStore
+from ._store import _RUN_ID, RunRecord, RunStore
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "export_run", "export_tensorboard", "run_to_dict"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "export_run", "export_tensorboard", "run_dir", "run_to_dict"]
 
 FORMATS = ("csv", "json")
 FORMAT_VERSION = 1
@@ -107,6 +112,19 @@ def _summary_writer() -> type:
     return SummaryWriter  # type: ignore[no-any-return]
 
 
+def run_dir(base: str | os.PathLike[str], run_id: str) -> Path:
+    """``base/<run_id>``, refused (ValueError) unless ``run_id`` is a run id (12 lowercase hex characters) and
+    the result, with every symlink resolved, lies inside ``base``: defence in depth behind the store's own check."""
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise ValueError(f"refusing to build a directory for run id {run_id!r}: a run id is 12 lowercase hex "
+                         "characters")
+    root = Path(base)
+    path = root / run_id
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"refusing to write {path}: it resolves to {path.resolve()}, outside {root.resolve()}")
+    return path
+
+
 def export_tensorboard(store: RunStore, run_id: str, logdir: str | os.PathLike[str], *,
                        overwrite: bool = False) -> Path:
     """Write run ``run_id`` as TensorBoard event files under ``logdir/<run_id>/``; returns the event file's path.
@@ -119,28 +137,28 @@ def export_tensorboard(store: RunStore, run_id: str, logdir: str | os.PathLike[s
     """
     SummaryWriter = _summary_writer()
     rec = store.get_run(run_id)
-    run_dir = Path(logdir) / rec.run_id
-    old = sorted(run_dir.glob("events.out.tfevents.*")) if run_dir.is_dir() else []
+    out_dir = run_dir(logdir, rec.run_id)
+    scalars, events = store.scalars(rec.run_id), store.events(rec.run_id)  # verified before anything is written
+    old = sorted(out_dir.glob("events.out.tfevents.*")) if out_dir.is_dir() else []
     if old and not overwrite:
-        raise ValueError(f"{run_dir} already holds TensorBoard event files ({old[0].name}, ...); pass "
+        raise ValueError(f"{out_dir} already holds TensorBoard event files ({old[0].name}, ...); pass "
                          "overwrite=True to replace them or choose another logdir")
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
         for f in old:
             f.unlink()
     except OSError as e:
-        raise ValueError(f"cannot write TensorBoard files in {run_dir}: {e.strerror or e}") from e
-    writer = SummaryWriter(log_dir=str(run_dir))
+        raise ValueError(f"cannot write TensorBoard files in {out_dir}: {e.strerror or e}") from e
+    writer = SummaryWriter(log_dir=str(out_dir))
     try:
         t = rec.created_at
-        for key, (steps, values) in sorted(store.scalars(rec.run_id).items()):
+        for key, (steps, values) in sorted(scalars.items()):
             for s, v in zip(steps.tolist(), values.tolist(), strict=True):
                 writer.add_scalar(key, v, global_step=s, walltime=t)
-        for tag, obj in (("config", rec.config), ("manifest", rec.manifest),
-                         ("events", store.events(rec.run_id))):
+        for tag, obj in (("config", rec.config), ("manifest", rec.manifest), ("events", events)):
             text = json.dumps(_finite_or_str(obj), indent=2, sort_keys=True)
             writer.add_text(tag, "    " + text.replace("\n", "\n    "), global_step=0, walltime=t)  # markdown code
     finally:
         writer.close()
-    (event_file,) = run_dir.glob("events.out.tfevents.*")  # the old ones were deleted above
+    (event_file,) = out_dir.glob("events.out.tfevents.*")  # the old ones were deleted above
     return event_file
