@@ -1,14 +1,20 @@
 """The ``lowprec`` command: a thin layer that builds the library's own objects and calls library functions.
 
 User errors (bad names, bad arguments) print one line to stderr, without a traceback, and exit with status 2.
+SIGTERM and SIGHUP raise ``Terminated`` in the main thread (where they are not ignored), so a command stops the way
+Ctrl-C stops it: a run in progress is marked failed with the reason ("Terminated: interrupted by SIGTERM"), and
+the command exits with status 128 + the signal number.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 from . import __version__, formats
 
@@ -107,14 +113,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: raised in the main thread like KeyboardInterrupt for Ctrl-C (a BaseException, so
+    ``except Exception`` does not swallow it), so code in progress records why it stops."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # one-shot: a second signal during the clean-up ends the process
+    raise Terminated(signum)
+
+
+def _catch_termination() -> list[tuple[int, Any]]:
+    """Install ``_terminated`` for SIGTERM and SIGHUP where they have their default action (not under ``nohup``,
+    not where the embedding program has its own handler); returns what to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    saved: list[tuple[int, Any]] = []
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous = signal.getsignal(sig)
+        if previous is signal.SIG_DFL:
+            signal.signal(sig, _terminated)
+            saved.append((sig, previous))
+    return saved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    saved = _catch_termination()
     try:
         return int(args.func(args))
+    except Terminated as e:
+        print(f"lowprec: {e}", file=sys.stderr)
+        return 128 + e.signum
     except ValueError as e:
         print(f"lowprec: error: {e}", file=sys.stderr)
         return 2
@@ -131,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `lowprec formats | head`
         sys.stderr.close()
         return 0
+    finally:
+        for sig, previous in saved:
+            signal.signal(sig, previous)
 
 
 if __name__ == "__main__":
