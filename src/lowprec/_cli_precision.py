@@ -68,7 +68,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, Calibrated]:
     except ValueError as e:
         raise ValueError(f"--group-by: {e}") from None
     if args.run:
-        store = open_store(store_path(args))
+        store = open_store(store_path(args), create=False)
         return store, load_trained(store, args.run)
     if not args.config:
         raise ValueError("give a CONFIG.toml to calibrate on (or --run RUN_ID of a trained run)")
