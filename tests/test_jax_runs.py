@@ -107,13 +107,14 @@ def test_jax_fp32_loss_tracks_torch_with_the_same_seed(runs) -> None:
 
 
 def test_jax_fp32_passes_the_judge_against_a_torch_baseline(runs) -> None:
-    """Oracle: the 3-seed PyTorch fp32 baseline envelope (the judge's criteria).  The JAX fp32 run passes; a JAX
-    run with a third of the learning rate fails, so the verdict discriminates."""
+    """Oracle: the 3-seed PyTorch fp32 baseline envelope (the judge's criteria).  A JAX
+    run with a third of the learning rate FAILs, so the verdict discriminates; the JAX fp32 run is not FAILed (one
+    candidate seed cannot show equivalence within the default margins: PASS or INCONCLUSIVE)."""
     store: RunStore = runs["store"]
     good, bad = (judge_groups(runs["baseline"], [RunData.from_store(store, runs[k])])[0] for k in ("jax_fp32",
                                                                                                    "jax_bad"))
-    assert good.passed, good.format_table()
-    assert not bad.passed, bad.format_table()
+    assert good.outcome != "fail", good.format_table()  # one candidate seed: PASS or INCONCLUSIVE, never FAIL
+    assert bad.outcome == "fail", bad.format_table()
 
 
 def test_jax_runs_refuse_parallel_layouts_and_other_models(runs) -> None:
@@ -227,18 +228,19 @@ def test_gpt_bytes_jax_fp8_delayed_tracks_torch_fp8_delayed(gpt) -> None:
 
 
 def test_gpt_bytes_jax_run_judged_against_a_torch_baseline_and_reported(gpt, tmp_path: Path) -> None:
-    """Oracle: the 3-seed PyTorch fp32 gpt-bytes baseline envelope (the judge's criteria): the JAX fp32 run passes,
-    a JAX run with a third of the learning rate fails; the HTML report (``write_report``, what ``lowprec report``
-    writes) lists the baseline's PyTorch runs and the JAX run, and its manifest diff shows ``framework = jax``."""
+    """Oracle: the 3-seed PyTorch fp32 gpt-bytes baseline envelope (the judge's criteria): the JAX fp32 run is not
+    FAILed, a JAX run with a third of the learning rate FAILs; the HTML report (``write_report``, what
+    ``lowprec report`` writes) lists the baseline's PyTorch runs and the JAX run, and its manifest diff shows
+    ``framework = jax``."""
     store: RunStore = gpt["store"]
     jax_run = RunData.from_store(store, gpt["jax_fp32"])
     good = judge_groups(gpt["baseline"], [jax_run])[0]
     bad = judge_groups(gpt["baseline"], [RunData.from_store(store, gpt["jax_bad"])])[0]
-    assert good.passed, good.format_table()
-    assert not bad.passed, bad.format_table()
+    assert good.outcome != "fail", good.format_table()  # one candidate seed: PASS or INCONCLUSIVE, never FAIL
+    assert bad.outcome == "fail", bad.format_table()
     text = write_report(tmp_path / "report.html", baseline=gpt["baseline"], runs=[jax_run], verdict=good).read_text(
         encoding="utf-8")
-    assert 'class="headline pass">PASS' in text
+    assert f'class="headline {good.outcome}">{good.word}' in text
     for name in (*gpt["baseline"].run_names, jax_run.name):
         assert html.escape(name) in text, name
     assert jax_run.run_id in text

@@ -90,7 +90,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps([v.to_dict() for v in verdicts], indent=2))
     else:
         print("\n\n".join(v.format_table() for v in verdicts))
-    return 0 if all(v.passed for v in verdicts) else 1
+    return _exit_code(verdicts)
+
+
+def _exit_code(verdicts: list[Any]) -> int:
+    """0 when every group PASSes, 1 when any FAILs, 3 when none FAILs but some are INCONCLUSIVE (2: usage error)."""
+    from .runs._judge import EXIT_CODES, combine_outcomes
+
+    return EXIT_CODES[combine_outcomes([v.outcome for v in verdicts])]
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .runs._plan import format_plan, plan
+    from .runs._workflow import load_baseline
+
+    if args.baseline.endswith(".json") or Path(args.baseline).is_file():
+        baseline = load_baseline(None, args.baseline)  # type: ignore[arg-type]  # a file needs no store
+    else:
+        with open_store(store_path(args), create=False) as store:
+            baseline = load_baseline(store, args.baseline)
+    p = plan(baseline, worse_by_fraction=args.worse_by)
+    print(json.dumps(p, indent=2) if args.json else format_plan(baseline, p))
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -98,7 +119,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     baseline, runs, verdicts = _judged(args)
     path = write_report(args.out, baseline=baseline, runs=runs, verdict=verdicts)
-    print(f"wrote {path} ({'PASS' if all(v.passed for v in verdicts) else 'FAIL'}); open it in a browser")
+    from .runs._judge import WORDS, combine_outcomes
+
+    word = WORDS[combine_outcomes([v.outcome for v in verdicts])]
+    print(f"wrote {path} ({word}); open it in a browser")
     return 0
 
 
@@ -133,7 +157,17 @@ def add_parsers(sub: Any) -> None:
     add_store_arg(p)
     p.set_defaults(func=cmd_baselines)
 
-    for cmd, helptext in (("compare", "judge runs against a baseline: PASS (exit 0) or FAIL (exit 1), with reasons"),
+    pl = sub.add_parser("plan", help="how many seeds decide a comparison against a baseline, before training them")
+    pl.add_argument("--baseline", required=True, metavar="NAME|FILE.json",
+                    help="a stored baseline's name or a baseline JSON file")
+    pl.add_argument("--worse-by", type=float, default=0.0, metavar="F",
+                    help="assume the candidate is worse by this fraction of each margin (default 0: as good)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_store_arg(pl)
+    pl.set_defaults(func=cmd_plan)
+
+    for cmd, helptext in (("compare", "judge runs against a baseline: PASS (exit 0), FAIL (exit 1) or INCONCLUSIVE "
+                                      "(exit 3), with the evidence"),
                           ("report", "write a self-contained HTML report of runs against a baseline")):
         c = sub.add_parser(cmd, help=helptext)
         c.add_argument("--baseline", required=True, metavar="NAME|FILE.json",

@@ -19,11 +19,11 @@ import argparse
 import dataclasses
 import json
 import math
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from ._cli_runs import add_store_arg, open_store, store_path
+from ._parse import parse_toml
 from .runs._config import load
 from .runs._trained import Calibrated, calibrate, eval_batches, load_trained, probe_trainer
 
@@ -125,7 +125,7 @@ def _write_outputs(args: argparse.Namespace, recipe: Any) -> list[str]:
     if args.config_out:
         if not args.config:
             raise ValueError("--config-out copies CONFIG.toml with the chosen recipe: give a CONFIG.toml")
-        data = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
+        data = parse_toml(Path(args.config).read_text(encoding="utf-8"), where=str(args.config))
         data.pop("recipe", None)
         data["recipe"] = recipe.to_dict()
         Path(args.config_out).write_text(dict_to_toml(data), encoding="utf-8")

@@ -1,9 +1,11 @@
 """The accuracy demo behind ``lowprec demo`` (and ``make demo``): does training in low precision lose accuracy?
 
 1. Build (or reuse, when the store already has a matching one) an fp32 baseline of the ``mlp-digits`` zoo task
-   (scikit-learn's 8x8 digits) over 3 seeds.
-2. Train each candidate arm over 2 fresh seeds: bf16-pure, bf16-sr, fp8-tensorwise, mxfp8, and a negative control
-   (fp32 with the learning rate cut by 30%), which the judge should fail.
+   (scikit-learn's 8x8 digits) over 4 seeds, with its margin declared up front: final accuracy at most 0.75%
+   worse (``DEMO_CRITERIA``).
+2. Train each candidate arm over 3 fresh seeds: bf16-pure, bf16-sr, fp8-tensorwise, mxfp8, and a negative control
+   (fp32 with the learning rate cut by 30%), which the judge should FAIL; then an underpowered arm (mxfp8 on one
+   seed), which the judge should call INCONCLUSIVE, saying how many seeds would decide it.
 3. Judge every arm against the baseline, print a verdict table, and write the HTML report.
 """
 
@@ -19,13 +21,19 @@ from ._config import RunConfig
 from ._judge import Verdict, judge
 from ._report import write_report
 from ._runner import build_task, run_config
+from ._stats import Criteria
 from ._store import RunStore
 from ._workflow import run_baseline
 
 ARMS = ("bf16-pure", "bf16-sr", "fp8-tensorwise", "mxfp8")
 NEGATIVE_CONTROL = "fp32 lr x0.7 (negative control)"
-BASELINE_SEEDS = (0, 1, 2)
-CANDIDATE_SEEDS = (100, 101)
+UNDERPOWERED = "mxfp8, one seed (underpowered)"
+BASELINE_SEEDS = (0, 1, 2, 3)
+CANDIDATE_SEEDS = (100, 101, 102)
+DEMO_CRITERIA = Criteria(metrics=("accuracy",), metric_margins=(("accuracy", 0.0075),))
+"""The demo baseline's declared criteria: final accuracy may be at most 0.75% worse (about 0.7 points), and the
+curve guards the trajectory.  The final eval loss is not judged: on this 355-example test set it varies 2-6%
+between seeds, so 4 and 3 seeds could not decide a useful margin (``lowprec plan`` shows how many would)."""
 
 
 def demo_config(store: str, *, steps: int | None = None) -> RunConfig:
@@ -42,7 +50,8 @@ def _reusable(store: RunStore, name: str, config: RunConfig) -> Baseline | None:
     task = build_task(config, BASELINE_SEEDS[0])
     resolved = config.resolve({**task.defaults, "batch_size": task.samples_per_step})
     same_numerics = b.config.get("recipe") == resolved.recipe.to_dict()
-    return b if same_numerics and b.config_digest == config_digest(resolved.to_dict()) else None
+    same = same_numerics and b.criteria == DEMO_CRITERIA and tuple(b.seeds) == BASELINE_SEEDS
+    return b if same and b.config_digest == config_digest(resolved.to_dict()) else None
 
 
 def _arms(config: RunConfig, group_prefix: str) -> list[RunConfig]:
@@ -52,11 +61,13 @@ def _arms(config: RunConfig, group_prefix: str) -> list[RunConfig]:
     out.append(dataclasses.replace(config, seeds=CANDIDATE_SEEDS, name=f"demo {NEGATIVE_CONTROL}",
                                    group=f"{group_prefix}/lr-cut",
                                    optimizer=dataclasses.replace(config.optimizer, lr=lr)))
+    out.append(dataclasses.replace(config, recipe=recipes.get("mxfp8"), seeds=(200,), name=f"demo {UNDERPOWERED}",
+                                   group=f"{group_prefix}/mxfp8-one-seed"))
     return out
 
 
 def run_demo(*, store_path: str, report_path: str, steps: int | None = None, progress: bool = True) -> bool:
-    """Run the demo; returns True when every low-precision arm passed and the negative control failed."""
+    """Run the demo; returns True when the verdicts are the expected ones (``_as_expected``)."""
     t0 = time.perf_counter()
     config = demo_config(store_path, steps=steps)
     with RunStore(store_path) as store:
@@ -64,7 +75,8 @@ def run_demo(*, store_path: str, report_path: str, steps: int | None = None, pro
         baseline = _reusable(store, name, config)
         if baseline is None:
             print(f"building the fp32 baseline {name!r} (mlp-digits, seeds {list(BASELINE_SEEDS)})")
-            baseline = run_baseline(config, name=name, store=store, overwrite=True, progress=progress)
+            baseline = run_baseline(config, name=name, store=store, overwrite=True, progress=progress,
+                                    criteria=DEMO_CRITERIA)
         else:
             print(f"reusing the fp32 baseline {name!r} stored in {store_path}")
         # resolve lr from the task defaults so the negative control is 0.7x what the baseline used
@@ -82,23 +94,33 @@ def run_demo(*, store_path: str, report_path: str, steps: int | None = None, pro
                               title="lowprec demo: low-precision recipes vs an fp32 baseline (mlp-digits)")
     print(_table(baseline, verdicts, all_runs))
     print(f"\nHTML report: {report.resolve()}   ({time.perf_counter() - t0:.0f} s; runs stored in {store_path})")
-    expected = all(v.passed for n, v in verdicts if NEGATIVE_CONTROL not in n) and not verdicts[-1][1].passed
-    print("as expected: every recipe passes, the negative control fails" if expected else
-          "NOT as expected: see the reasons above")
+    expected = _as_expected(verdicts)
+    print("expected: no recipe FAILs and at least one PASSes, the negative control FAILs, and the one-seed arm is "
+          "INCONCLUSIVE with the seed count that would decide it")
+    print("as expected" if expected else "NOT as expected: see the evidence above")
     return expected
+
+
+def _as_expected(verdicts: list[tuple[str, Verdict]]) -> bool:
+    by = {name.removeprefix("demo "): v.outcome for name, v in verdicts}
+    recipes_ = [by[r] for r in ARMS]
+    return ("fail" not in recipes_ and "pass" in recipes_ and by[NEGATIVE_CONTROL] == "fail"
+            and by[UNDERPOWERED] == "inconclusive")
 
 
 def _table(baseline: Baseline, verdicts: list[tuple[str, Verdict]], runs: list[RunData]) -> str:
     acc = baseline.finals.get("accuracy")
-    lines = [f"\n{'arm':<42}{'verdict':<9}{'accuracy (mean)':>16}  failed criteria",
-             f"{'fp32 baseline (' + str(len(baseline.seeds)) + ' seeds)':<42}{'-':<9}"
+    lines = [f"\n{'arm':<42}{'verdict':<14}{'accuracy (mean)':>16}  criteria not passed",
+             f"{'fp32 baseline (' + str(len(baseline.seeds)) + ' seeds)':<42}{'-':<14}"
              f"{(acc.mean() if acc is not None else float('nan')):>16.4f}"]
     for name, v in verdicts:
         finals = [r.scalars["eval/accuracy"][1][-1] for r in runs if r.run_id in v.candidates
                   and "eval/accuracy" in r.scalars]
         mean = sum(finals) / len(finals) if finals else float("nan")
-        failed = ", ".join(r.name for r in v.results if not r.passed) or "-"
-        lines.append(f"{name.removeprefix('demo '):<42}{'PASS' if v.passed else 'FAIL':<9}{mean:>16.4f}  {failed}")
+        failed = ", ".join(f"{r.name} {r.word}" for r in v.results if not r.passed) or "-"
+        lines.append(f"{name.removeprefix('demo '):<42}{v.word:<14}{mean:>16.4f}  {failed}")
+        if v.plan is not None and v.plan.get("advice"):
+            lines.append(f"{'':<42}{v.plan['advice']}")
     return "\n".join(lines)
 
 

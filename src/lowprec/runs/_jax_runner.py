@@ -59,8 +59,8 @@ from ._config import OptimizerConfig, RunConfig
 from ._jax_models import Plan, cross_entropy, forward, initial_params, initial_states, model_plan
 from ._manifest import build_manifest
 from ._progress import Progress
-from ._runner import build_task
 from ._resume import RECORDS_KEY, Candidate, check_resumable, choose, record_checkpoint
+from ._runner import build_task
 from ._store import RunStore
 from .zoo import Task
 

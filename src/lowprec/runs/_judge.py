@@ -1,4 +1,4 @@
-"""The judge: PASS or FAIL of candidate runs against a baseline, with the reason for each criterion.
+"""The judge: PASS, FAIL or INCONCLUSIVE of candidate runs against a baseline, with the evidence for each criterion.
 
 Criteria (parameters in ``Criteria``, declared with the baseline; methodology in ``docs/accuracy.md``):
 
@@ -6,16 +6,23 @@ Criteria (parameters in ``Criteria``, declared with the baseline; methodology in
 * ``divergence``: no candidate has a non-finite training loss or eval metric, a "nonfinite"/"diverged" event, or a
   loss spike (``_stats.find_spike``); a FAIL names the run and the first such step, and, when the runner localised
   the failure (a "nonfinite" event), the module, tensor role, step and values of the first non-finite tensor.
-* ``curve``: the mean over candidate seeds of the smoothed training loss stays inside the band around the
-  baseline mean on all but ``curve_max_outside`` of the post-warm-up steps.  Band half-width at step t::
+* ``curve``: a non-inferiority test of the mean over candidate seeds of the smoothed training loss, step by step
+  after the warm-up, against a declared relative margin ``m_t = curve_margin_rel * |mean_t|``.  With ``d_t`` the
+  candidate mean minus the baseline mean (positive: worse) and ``se_t = pooled_t * sqrt(1/N + 1/M)``::
 
-      h_t = max(k * pooled_t * sqrt(1/N + 1/M),  rtol * |mean_t|)
+      step t is within   iff  d_t + t_{1-pass_alpha, N+M-2} se_t <= m_t      (upper bound inside the margin)
+      step t is beyond   iff  d_t - curve_k se_t > m_t                        (lower bound past the margin)
 
-  widened further to contain the baseline's own min/max.  ``pooled_t * sqrt(1/N + 1/M)`` is the standard
-  deviation of (candidate mean - baseline mean) when both come from the same distribution: the band is a band
-  for the candidate *mean*, so it narrows as either side adds seeds.
-* ``final/<metric>``: per eval metric, the one-sided margin-shifted Welch test of ``_stats.worse_test`` at level
-  ``metric_alpha / number of metrics`` (Bonferroni: the family-wise false-failure rate stays <= metric_alpha).
+  PASS when at least ``1 - curve_max_outside`` of the judged steps are within; FAIL when more than
+  ``curve_max_outside`` are beyond; INCONCLUSIVE otherwise.  A lower loss than the baseline's is never a FAIL.
+* ``final/<metric>``: per eval metric, ``_stats.margin_test``: PASS when the one-sided ``1 - pass_alpha`` upper
+  bound of how much worse the candidate is lies below the margin; FAIL when the worse-direction Welch test
+  rejects "at most the margin worse" at ``metric_alpha / number of metrics`` (Bonferroni: the family-wise
+  false-FAIL rate stays <= metric_alpha); INCONCLUSIVE otherwise.
+
+The verdict FAILs when any criterion FAILs, PASSes when every criterion PASSes (an intersection-union test: each
+criterion at its own level bounds the false-PASS rate of the whole), and is INCONCLUSIVE otherwise, with the
+number of seeds that would decide it (``_plan``).
 """
 
 from __future__ import annotations
@@ -25,46 +32,97 @@ import math
 from typing import Any
 
 import numpy as np
+import scipy.stats
 
 from ._baseline import LOSS_KEY, Baseline, RunData, final_value, planned_steps
-from ._stats import find_spike, pooled_std, smooth, worse_test
+from ._stats import find_spike, margin_test, pooled_std, smooth
 
 DIVERGENCE_EVENTS = ("nonfinite", "diverged")
+
+
+WORDS = {"pass": "PASS", "fail": "FAIL", "inconclusive": "INCONCLUSIVE"}
+EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3}
+"""CLI exit status per verdict outcome (2 is a usage error)."""
+
+
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CriterionResult:
     name: str
-    passed: bool
+    outcome: str
+    """"pass", "fail" or "inconclusive"."""
     reason: str
-    """One sentence with the numbers that decided."""
+    """One sentence with the numbers that decided: the bound, the margin, what the seeds could see."""
     values: dict[str, Any]
     """The numbers behind ``reason`` (JSON-able)."""
+    role: str = "primary"
+    """"primary": a PASS verdict needs it to PASS; "guard": a PASS verdict only needs it not to FAIL (completion,
+    divergence, and the curve unless ``Criteria.curve_role = "primary"``)."""
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "pass"
+
+    @property
+    def word(self) -> str:
+        return WORDS[self.outcome]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "reason": self.reason, "values": self.values}
+        return {"name": self.name, "outcome": self.outcome, "role": self.role, "passed": self.passed,
+                "reason": self.reason, "values": self.values}
+
+
+def combine_outcomes(outcomes: list[str]) -> str:
+    """Of several verdicts (groups): FAIL if any FAILs, PASS if all PASS, INCONCLUSIVE otherwise."""
+    return "fail" if "fail" in outcomes else "pass" if all(o == "pass" for o in outcomes) else "inconclusive"
+
+
+def combine(results: list[CriterionResult]) -> str:
+    """FAIL if any criterion FAILs; PASS if every primary criterion PASSes (guards only need not FAIL);
+    INCONCLUSIVE otherwise."""
+    if any(r.outcome == "fail" for r in results):
+        return "fail"
+    return "pass" if all(r.outcome == "pass" for r in results if r.role == "primary") else "inconclusive"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Verdict:
-    passed: bool
+    outcome: str
     baseline: str
     candidates: tuple[str, ...]
     """Run ids of the judged candidates."""
     results: tuple[CriterionResult, ...]
+    plan: dict[str, Any] | None = None
+    """For an INCONCLUSIVE verdict: the seeds that would decide it (``_plan.plan_for``), else None."""
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "pass"
+
+    @property
+    def word(self) -> str:
+        return WORDS[self.outcome]
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.outcome]
 
     def format_table(self) -> str:
-        """Plain-text verdict: a PASS/FAIL headline, then one line per criterion with its reason."""
-        head = (f"{'PASS' if self.passed else 'FAIL'}: {len(self.candidates)} candidate run(s) against baseline "
-                f"{self.baseline!r}")
+        """Plain-text verdict: the headline, one line per criterion with its evidence, and for an INCONCLUSIVE
+        verdict the seed counts that would decide it."""
+        head = f"{self.word}: {len(self.candidates)} candidate run(s) against baseline {self.baseline!r}"
         w = max([len("criterion")] + [len(r.name) for r in self.results])
-        lines = [head, f"{'criterion':<{w}}  result  reason"]
-        lines += [f"{r.name:<{w}}  {'PASS' if r.passed else 'FAIL':<6}  {r.reason}" for r in self.results]
+        lines = [head, f"{'criterion':<{w}}  {'result':<12}  evidence"]
+        lines += [f"{r.name:<{w}}  {r.word:<12}  {r.reason}" for r in self.results]
+        if self.plan is not None and self.plan.get("advice"):
+            lines.append(self.plan["advice"])
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "baseline": self.baseline, "candidates": list(self.candidates),
-                "results": [r.to_dict() for r in self.results]}
+        return {"outcome": self.outcome, "passed": self.passed, "baseline": self.baseline,
+                "candidates": list(self.candidates), "results": [r.to_dict() for r in self.results],
+                "plan": self.plan}
 
 
 def judge(baseline: Baseline, candidates: list[RunData]) -> Verdict:
@@ -84,8 +142,14 @@ def judge(baseline: Baseline, candidates: list[RunData]) -> Verdict:
         seen[seed] = run.label
     results = [_completion(baseline, candidates), _divergence(baseline, candidates), _curve(baseline, candidates)]
     results += _finals(baseline, candidates)
-    return Verdict(passed=all(r.passed for r in results), baseline=baseline.name,
-                   candidates=tuple(r.run_id for r in candidates), results=tuple(results))
+    outcome = combine(results)
+    plan = None
+    if outcome == "inconclusive":
+        from ._plan import plan_for
+
+        plan = plan_for(baseline, candidates, results)
+    return Verdict(outcome=outcome, baseline=baseline.name, candidates=tuple(r.run_id for r in candidates),
+                   results=tuple(results), plan=plan)
 
 
 def _loss(run: RunData) -> tuple[np.ndarray, np.ndarray]:
@@ -101,9 +165,10 @@ def _completion(b: Baseline, runs: list[RunData]) -> CriterionResult:
         if r.status != "completed" or last < b.steps:
             bad[r.run_id] = f"{r.name!r} ({r.run_id}) status {r.status}, last step {last} of {b.steps}"
     if bad:
-        return CriterionResult(name="completion", passed=False, values={"incomplete": bad},
+        return CriterionResult(name="completion", outcome="fail", role="guard", values={"incomplete": bad},
                                reason="not finished: " + "; ".join(bad.values()))
-    return CriterionResult(name="completion", passed=True, values={"runs": len(runs), "steps": b.steps},
+    return CriterionResult(name="completion", outcome="pass", role="guard",
+                           values={"runs": len(runs), "steps": b.steps},
                            reason=f"all {len(runs)} run(s) completed {b.steps} steps")
 
 
@@ -150,19 +215,33 @@ def _divergence(b: Baseline, runs: list[RunData]) -> CriterionResult:
     if hits:
         first = min(hits.values(), key=lambda h: int(h["step"]))  # type: ignore[call-overload]
         reason = "; ".join(f"{h['run']!r} ({rid}) at step {h['step']}: {h['what']}" for rid, h in hits.items())
-        return CriterionResult(name="divergence", passed=False, reason="diverged: " + reason,
+        return CriterionResult(name="divergence", outcome="fail", role="guard", reason="diverged: " + reason,
                                values={"step": first["step"], "runs": hits})
-    return CriterionResult(name="divergence", passed=True, values={},
+    return CriterionResult(name="divergence", outcome="pass", role="guard", values={},
                            reason="all losses and eval metrics finite, no loss spike")
 
 
+def curve_se(b: Baseline, m: int) -> np.ndarray:
+    """Per envelope step: the standard deviation of (mean of ``m`` candidate seeds - baseline mean) when both come
+    from one distribution, ``pooled_t * sqrt(1/N + 1/M)``."""
+    pool = max(1, round(b.criteria.curve_pool_fraction * b.env_steps.size))
+    return pooled_std(b.env_std, pool) * math.sqrt(1.0 / b.n_seeds + 1.0 / m)
+
+
+def curve_t(b: Baseline, m: int) -> float:
+    """The pass-side critical value of the curve test: ``t_{1-pass_alpha}`` with ``N + M - 2`` degrees of
+    freedom (the seed effect persists over the run, so the pooled spread has about that many)."""
+    return float(scipy.stats.t.ppf(1.0 - b.criteria.pass_alpha, max(b.n_seeds + m - 2, 1)))
+
+
 def curve_band(b: Baseline, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """(lower, upper) acceptance band per envelope step for the mean of ``m`` candidate seeds."""
+    """(pass line, fail line) per envelope step for the mean of ``m`` candidate seeds: a step is within when the
+    candidate mean is at or below the pass line ``mean + m_t - t se_t`` and beyond the margin when it is above the
+    fail line ``mean + m_t + curve_k se_t``."""
     c = b.criteria
-    pool = max(1, round(c.curve_pool_fraction * b.env_steps.size))
-    sd = pooled_std(b.env_std, pool) * math.sqrt(1.0 / b.n_seeds + 1.0 / m)
-    h = np.maximum(c.curve_k * sd, c.curve_rtol * np.abs(b.env_mean))
-    return np.minimum(b.env_mean - h, b.env_min), np.maximum(b.env_mean + h, b.env_max)
+    se = curve_se(b, m)
+    margin = c.curve_margin_rel * np.abs(b.env_mean)
+    return b.env_mean + margin - curve_t(b, m) * se, b.env_mean + margin + c.curve_k * se
 
 
 def candidate_mean_curve(b: Baseline, runs: list[RunData]) -> tuple[np.ndarray, np.ndarray]:
@@ -185,34 +264,64 @@ def _curve(b: Baseline, runs: list[RunData]) -> CriterionResult:
     keep = steps > warm
     steps, cand = steps[keep], cand[keep]
     if steps.size == 0:
-        return CriterionResult(name="curve", passed=False, values={"warmup_steps": warm},
+        return CriterionResult(name="curve", outcome="fail", role=c.curve_role, values={"warmup_steps": warm},
                                reason=f"no step after the warm-up ({warm} steps) logged by every candidate")
-    lo, hi = curve_band(b, len(runs))
     idx = np.searchsorted(b.env_steps, steps)
-    above = ~(cand <= hi[idx])  # NaN counts as outside
-    below = cand < lo[idx]
-    out = above | below
-    frac = float(out.mean())
-    passed = frac <= c.curve_max_outside
-    vals = {"judged_steps": int(steps.size), "outside": int(out.sum()), "above": int(above.sum()),
-            "below": int(below.sum()), "fraction_outside": frac, "allowed": c.curve_max_outside,
-            "warmup_steps": warm, "first_outside_step": int(steps[out][0]) if out.any() else None}
-    if out.any():
-        i = int(np.argmax(np.where(out, np.abs(cand - b.env_mean[idx]), -1.0)))
-        vals["worst_step"] = int(steps[i])
-        vals["worst_rel_diff"] = float((cand[i] - b.env_mean[idx][i]) / abs(b.env_mean[idx][i]))
-    detail = (f"{int(out.sum())} of {steps.size} steps after warm-up outside the band ({frac:.1%}; "
-              f"{int(above.sum())} above, {int(below.sum())} below; allowed {c.curve_max_outside:.1%})")
-    if out.any():
-        detail += (f", first at step {vals['first_outside_step']}, worst at step {vals['worst_step']} "
-                   f"({vals['worst_rel_diff']:+.2%} vs baseline mean)")
-    return CriterionResult(name="curve", passed=passed, reason=detail, values=vals)
+    mean = b.env_mean[idx]
+    scale = np.abs(mean)
+    se = curve_se(b, len(runs))[idx]
+    diff = cand - mean  # positive: the candidate's loss is higher (worse)
+    upper = np.where(np.isfinite(diff), (diff + curve_t(b, len(runs)) * se) / scale, np.inf)
+    lower = np.where(np.isfinite(diff), (diff - c.curve_k * se) / scale, np.inf)
+    within = upper <= c.curve_margin_rel
+    beyond = lower > c.curve_margin_rel
+    allowed = c.curve_max_outside
+    n = int(steps.size)
+    frac_within, frac_beyond = float(within.mean()), float(beyond.mean())
+    outcome = "fail" if frac_beyond > allowed else "pass" if frac_within >= 1.0 - allowed else "inconclusive"
+    # the bound a reader wants: the candidate's smoothed loss is at most this much above the baseline's on all but
+    # the allowed fraction of judged steps (the (1 - allowed) quantile of the per-step upper bounds)
+    bound = float(np.quantile(upper, 1.0 - allowed, method="higher"))
+    rel = diff / scale
+    vals = {"judged_steps": n, "within": int(within.sum()), "beyond": int(beyond.sum()),
+            "fraction_within": frac_within, "fraction_beyond": frac_beyond, "allowed": allowed,
+            "margin_rel": c.curve_margin_rel, "upper_bound_rel": bound if math.isfinite(bound) else None,
+            "mean_rel_diff": float(np.nanmean(rel)) if np.isfinite(rel).any() else None,
+            "warmup_steps": warm, "first_beyond_step": int(steps[beyond][0]) if beyond.any() else None,
+            "passable_margin_rel": float(np.quantile((curve_t(b, len(runs)) + _t_power(b, len(runs))) * se / scale,
+                                                     1.0 - allowed, method="higher"))}
+    level = f"{1 - c.pass_alpha:.0%}"
+    shown = f"{bound:+.2%}" if math.isfinite(bound) else "unbounded (non-finite loss)"
+    detail = (f"smoothed loss at most {shown} vs the baseline mean ({level} upper bound) on "
+              f"{1 - allowed:.0%} of {n} steps after warm-up, margin {c.curve_margin_rel:.2%}; "
+              f"within the margin on {frac_within:.1%}, beyond it on {frac_beyond:.1%} (FAIL above "
+              f"{allowed:.1%})")
+    if beyond.any():
+        detail += f", first beyond at step {vals['first_beyond_step']}"
+    if outcome == "inconclusive":
+        detail += (f"; these seeds can show equivalence only for a margin of about "
+                   f"{vals['passable_margin_rel']:.2%} or more")
+        if c.curve_role == "guard":
+            detail += " (a guard: this does not stand in the way of a PASS)"
+    return CriterionResult(name="curve", outcome=outcome, role=c.curve_role, reason=detail, values=vals)
+
+
+def _t_power(b: Baseline, m: int) -> float:
+    return float(scipy.stats.t.ppf(b.criteria.power, max(b.n_seeds + m - 2, 1)))
+
+
+def metric_margin(b: Baseline, metric: str) -> float:
+    """The declared margin of a final metric: ``max(margin_rel |xbar|, metric_margin_std s_x)`` with the metric's
+    own relative margin (``Criteria.margin_rel``)."""
+    base = b.finals[metric]
+    c = b.criteria
+    return max(c.margin_rel(metric) * abs(float(base.mean())), c.metric_margin_std * float(base.std(ddof=1)))
 
 
 def _finals(b: Baseline, runs: list[RunData]) -> list[CriterionResult]:
     c = b.criteria
     names = list(c.metrics) if c.metrics is not None else list(b.metrics)
-    alpha = c.metric_alpha / len(names)
+    fail_alpha = c.metric_alpha / len(names)
     out = []
     for m in names:
         name = f"final/{m}"
@@ -222,28 +331,39 @@ def _finals(b: Baseline, runs: list[RunData]) -> list[CriterionResult]:
         missing = [r.run_id for r in runs if (g := got[r.run_id]) is None or g[0] != planned_steps(r)]
         ys = np.asarray([g[1] for g in got.values() if g is not None], dtype=np.float64)
         if missing or not np.isfinite(ys).all():
-            out.append(CriterionResult(name=name, passed=False, values={"missing": missing},
+            out.append(CriterionResult(name=name, outcome="fail", values={"missing": missing},
                                        reason=f"no finite final eval/{m} at the last step for run(s) "
                                               f"{', '.join(missing) or 'with non-finite values'}"))
             continue
         xbar = float(base.mean())
         sx = float(base.std(ddof=1))
-        margin = max(c.metric_margin_rel * abs(xbar), c.metric_margin_std * sx)
-        t = worse_test(base, ys, direction=direction, margin=margin)
-        passed = not t.p < alpha
+        margin = metric_margin(b, m)
+        t = margin_test(base, ys, direction=direction, margin=margin, pass_alpha=c.pass_alpha,
+                        fail_alpha=fail_alpha, power=c.power)
+        scale = abs(xbar) if xbar else 1.0
         vals = {"direction": direction, "baseline_mean": xbar, "baseline_std": sx, "n_baseline": int(base.size),
                 "candidate_mean": float(ys.mean()), "candidate_std": float(ys.std(ddof=1)) if ys.size > 1 else None,
                 "n_candidate": int(ys.size), "worse_by": t.diff, "margin": margin, "se": t.se,
-                "df": t.df if math.isfinite(t.df) else None, "t": t.t if math.isfinite(t.t) else None,
-                "p": t.p, "alpha": alpha, "method": t.method}
+                "df": t.df if math.isfinite(t.df) else None, "upper": t.upper, "lower": t.lower,
+                "p_worse": t.p_worse, "p_within": t.p_within, "pass_alpha": c.pass_alpha, "fail_alpha": fail_alpha,
+                "method": t.method, "passable_margin": t.passable, "detectable": t.detectable}
         better = "lower" if direction == "min" else "higher"
-        head = (f"candidate mean {ys.mean():.6g} vs baseline {xbar:.6g} ± {sx:.3g} ({better} is better): "
-                f"worse by {t.diff:.4g}, margin {margin:.4g}")
+        diff_word = f"{abs(t.diff):.4g} {'worse' if t.diff > 0 else 'better'}"
+        head = (f"candidate {ys.mean():.6g} vs baseline {xbar:.6g} ± {sx:.3g} ({better} is better, "
+                f"{ys.size} vs {base.size} seeds): {diff_word}")
         if t.method == "exact":
-            why = f"; every value equal on each side, so compared exactly: {'above' if not passed else 'within'} margin"
+            why = (f"; every value equal on each side, so compared exactly: "
+                   f"{'within' if t.outcome == 'pass' else 'beyond'} the margin {margin:.4g}")
         else:
-            why = (f"; {t.method} t = {t.t:.3f}, df = {t.df:.1f}, p = {t.p:.3g} "
-                   f"{'<' if not passed else '>='} alpha {alpha:.3g}")
-        out.append(CriterionResult(name=name, passed=passed, reason=head + why, values=vals))
+            level = f"{1 - c.pass_alpha:.0%}"
+            bound = (f"at most {t.upper:.4g} worse ({t.upper / scale:.2%})" if t.upper >= 0 else
+                     f"at least {-t.upper:.4g} better ({-t.upper / scale:.2%})")
+            why = f"; {bound} ({level} bound), margin {margin:.4g} ({margin / scale:.2%})"
+            if t.outcome == "fail":
+                why += (f"; at least {t.lower:.4g} worse (p = {t.p_worse:.3g} < {fail_alpha:.3g}, "
+                        f"Welch df {t.df:.1f})")
+            elif t.outcome == "inconclusive":
+                why += (f"; cannot tell: these seeds show equivalence only for a margin >= {t.passable:.3g} and "
+                        f"catch a regression only beyond {t.detectable:.3g} (power {c.power:.0%})")
+        out.append(CriterionResult(name=name, outcome=t.outcome, reason=head + why, values=vals))
     return out
-

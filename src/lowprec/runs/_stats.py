@@ -29,6 +29,28 @@ With one candidate seed there is no ``s_y``: the test assumes the candidate's se
 baseline's (the usual prediction-interval test): ``se = s_x sqrt(1/N + 1)``, ``df = N - 1``.  When ``se`` is zero
 (every seed on both sides gave the same value, e.g. identical accuracies of a deterministic model) no test is
 possible and none is needed: FAIL iff ``d > delta`` exactly.
+
+Three outcomes (``margin_test``).  A test that can only FAIL passes whatever it cannot see: with few or noisy
+seeds, a candidate ten points worse would PASS.  So a PASS needs its own evidence, the mirror test of the one
+above (a non-inferiority test): null hypothesis "the candidate is worse by ``delta`` or more", rejected when the
+one-sided ``1 - pass_alpha`` upper confidence bound of ``d`` is below the margin::
+
+    upper = d + t_{1-pass_alpha, df} se  <  delta       -> PASS   (evidence: at most ``upper`` worse)
+    lower = d - t_{1-fail_alpha, df} se  >  delta       -> FAIL   (evidence: at least ``lower`` worse)
+    otherwise                                           -> INCONCLUSIVE (the data cannot tell)
+
+``lower > delta`` is the worse-direction test above (``p < fail_alpha``).  Both bounds cannot hold at once when
+the alphas are at most 0.5.  ``pass_alpha`` is the false-PASS rate of a candidate exactly ``delta`` worse (less
+for a candidate worse than that); ``fail_alpha`` the false-FAIL rate of one exactly ``delta`` worse.
+
+What the seeds can see.  For a power of ``1 - beta``, a candidate that is truly ``Delta`` worse PASSes with
+probability ``1 - beta`` when ``delta - Delta >= (t_{1-pass_alpha} + t_{1-beta}) se``, and FAILs with that
+probability when ``Delta - delta >= (t_{1-fail_alpha} + t_{1-beta}) se``.  With ``se`` estimated from the data,
+``passable = (t_{1-pass_alpha} + t_{1-beta}) se`` is the smallest margin an equal candidate clears, and
+``delta + (t_{1-fail_alpha} + t_{1-beta}) se`` the smallest regression the seeds catch.  ``seeds_needed`` turns
+the same inequality around: with seed standard deviation ``sigma`` on both sides, the smallest number of
+candidate seeds ``M`` (baseline seeds fixed at ``N``, or ``N = M``) with
+``(t_{1-alpha, N+M-2} + t_{1-beta, N+M-2}) sigma sqrt(1/N + 1/M) <= |delta - Delta|``.
 """
 
 from __future__ import annotations
@@ -125,6 +147,89 @@ def worse_test(base: np.ndarray, cand: np.ndarray, *, direction: str, margin: fl
     return WorseTest(diff=diff, margin=margin, se=se, df=df, t=t, p=p, method=method)
 
 
+Outcome = str
+"""``"pass"``, ``"fail"`` or ``"inconclusive"``."""
+OUTCOMES = ("pass", "fail", "inconclusive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MarginTest:
+    """Result of :func:`margin_test`: both one-sided bounds of how much worse the candidate is, and the outcome."""
+
+    diff: float
+    """How much worse the candidate mean is (positive: worse)."""
+    margin: float
+    se: float
+    df: float
+    method: str
+    """"welch", "prediction" (one candidate seed) or "exact" (zero variance)."""
+    upper: float
+    """One-sided ``1 - pass_alpha`` upper confidence bound of ``diff``: the candidate is at most this much worse."""
+    lower: float
+    """One-sided ``1 - fail_alpha`` lower confidence bound of ``diff``: the candidate is at least this much worse."""
+    p_worse: float
+    """p-value of "at most ``margin`` worse" (small: evidence of a FAIL)."""
+    p_within: float
+    """p-value of "``margin`` or more worse" (small: evidence of a PASS)."""
+    outcome: Outcome
+    passable: float
+    """Smallest margin a candidate equal to the baseline would clear with the requested power at this ``se``."""
+    detectable: float
+    """Smallest regression (``diff``) these seeds FAIL with the requested power: ``margin + (t + t_power) se``."""
+
+
+def margin_test(base: np.ndarray, cand: np.ndarray, *, direction: str, margin: float, pass_alpha: float,
+                fail_alpha: float, power: float = 0.8) -> MarginTest:
+    """PASS / FAIL / INCONCLUSIVE of ``cand`` against ``base`` with a declared ``margin`` (module docstring).
+
+    ``se`` and ``df`` are those of :func:`worse_test` (Welch; the prediction form for one candidate seed; exact
+    comparison when every value is equal)."""
+    w = worse_test(base, cand, direction=direction, margin=margin)
+    if w.method == "exact":
+        out = "pass" if w.diff <= margin else "fail"
+        return MarginTest(diff=w.diff, margin=margin, se=0.0, df=math.inf, method="exact", upper=w.diff,
+                          lower=w.diff, p_worse=w.p, p_within=1.0 - w.p, outcome=out, passable=0.0,
+                          detectable=margin)
+    tp = float(scipy.stats.t.ppf(1.0 - pass_alpha, w.df))
+    tf = float(scipy.stats.t.ppf(1.0 - fail_alpha, w.df))
+    tb = float(scipy.stats.t.ppf(power, w.df))
+    upper, lower = w.diff + tp * w.se, w.diff - tf * w.se
+    outcome = "pass" if upper < margin else "fail" if lower > margin else "inconclusive"
+    return MarginTest(diff=w.diff, margin=margin, se=w.se, df=w.df, method=w.method, upper=upper, lower=lower,
+                      p_worse=w.p, p_within=float(scipy.stats.t.cdf(w.t, w.df)), outcome=outcome,
+                      passable=(tp + tb) * w.se, detectable=margin + (tf + tb) * w.se)
+
+
+def seeds_needed(sigma: float, gap: float, *, alpha: float, power: float, n_baseline: int | None,
+                 limit: int = 10_000) -> int | None:
+    """Smallest candidate seed count ``M`` whose test reaches ``power`` for a true distance ``gap`` (> 0) between
+    the candidate's difference and the margin (module docstring), with ``n_baseline`` baseline seeds; with
+    ``n_baseline=None`` both sides get ``M`` seeds.  None when no ``M <= limit`` does (then the baseline needs more
+    seeds: ``sigma sqrt(1/N)`` alone is too large).  ``sigma = 0`` needs one seed."""
+    if gap <= 0:
+        return None
+    if sigma <= 0:
+        return 1
+
+    def enough(m: int) -> bool:
+        n = m if n_baseline is None else n_baseline
+        df = max(n + m - 2, 1)
+        crit = float(scipy.stats.t.ppf(1.0 - alpha, df)) + float(scipy.stats.t.ppf(power, df))
+        return crit * sigma * math.sqrt(1.0 / n + 1.0 / m) <= gap
+
+    lo = 2 if n_baseline is None else 1
+    if not enough(limit):
+        return None
+    hi = limit
+    while lo < hi:  # the left side decreases in m: bisect for the first m that is enough
+        mid = (lo + hi) // 2
+        if enough(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def find_spike(values: np.ndarray, *, window: int, factor: float, mad_k: float) -> int | None:
     """Index of the first loss spike, or None.
 
@@ -172,21 +277,39 @@ class Criteria:
     """Trailing moving-average width (steps) applied to ``train/loss`` before the envelope and the curve check."""
     warmup_fraction: float = 0.1
     """The first ``ceil(warmup_fraction * steps)`` steps are not curve-checked (fast early drop, short windows)."""
+    curve_margin_rel: float = 0.02
+    """The curve's margin: how much higher than the baseline mean the candidates' mean smoothed loss may be, as a
+    fraction of the baseline mean (2%), at each judged step."""
+    curve_role: str = "guard"
+    """"guard": the curve can FAIL a verdict (evidence that the trajectory is worse than its margin) but need not
+    show equivalence for a PASS, which rests on the final metrics; the smoothed training loss varies much more
+    between seeds than a final eval metric (±11% against ±2% of the eval loss on mlp-digits), so with a few seeds
+    it could rarely show it.  "primary": a PASS needs the curve to PASS too."""
     curve_k: float = 5.0
-    """Band half-width in pooled standard deviations of the difference of two means: ``k s sqrt(1/N + 1/M)``."""
-    curve_rtol: float = 0.005
-    """Floor of the band half-width, relative to the baseline mean loss (covers N = 2 and zero variance)."""
+    """A step is beyond the margin when the candidate mean is above ``margin + k se_t`` (``se_t = s_t sqrt(1/N +
+    1/M)`` with the pooled seed spread): the FAIL side's critical value, large because the pooled spread from a
+    few seeds has few effective degrees of freedom (calibrated on real runs, docs/accuracy.md)."""
     curve_pool_fraction: float = 0.5
     """Width, as a fraction of the logged steps, of the centred window over which the per-step seed standard
     deviation is pooled (root mean square)."""
     curve_max_outside: float = 0.05
-    """Allowance: the curve check fails when more than this fraction of judged steps are outside the band."""
+    """Allowance: the curve PASSes when at least ``1 - curve_max_outside`` of the judged steps are shown within the
+    margin, and FAILs when more than this fraction are shown beyond it."""
     metric_alpha: float = 0.04
-    """Family-wise false-failure rate of the final-metric tests (Bonferroni: alpha / number of metrics each)."""
-    metric_margin_rel: float = 0.0025
-    """Margin: a candidate may be worse by this fraction of the baseline mean (0.25%) ..."""
+    """Family-wise false-FAIL rate of the final-metric tests (Bonferroni: alpha / number of metrics each)."""
+    pass_alpha: float = 0.05
+    """False-PASS rate of each criterion for a candidate exactly at its margin (the upper bounds are one-sided
+    ``1 - pass_alpha`` bounds); no correction over criteria is needed: a PASS needs every criterion to pass."""
+    power: float = 0.8
+    """The power that the seed counts of ``lowprec plan`` and of an INCONCLUSIVE verdict's advice aim for."""
+    metric_margin_rel: float = 0.01
+    """Margin: a candidate may be worse by this fraction of the baseline mean (1%) ..."""
     metric_margin_std: float = 0.0
     """... or by this many baseline seed standard deviations, whichever is larger."""
+    metric_margins: tuple[tuple[str, float], ...] | None = None
+    """Per-metric relative margins that replace ``metric_margin_rel`` for the metrics they name, e.g.
+    ``{"loss": 0.05, "accuracy": 0.01}`` in TOML/JSON (``[criteria.metric_margins]``): what matters differs per
+    metric (1% of an accuracy is a point; 1% of a loss is often below the seed noise)."""
     spike_factor: float = 1.5
     """A loss spike is a step whose raw loss exceeds the median of the previous ``spike_window`` steps by this
     factor ..."""
@@ -199,16 +322,29 @@ class Criteria:
     def __post_init__(self) -> None:
         check_int(self.smoothing_window, "criteria.smoothing_window", 1)
         check_float(self.warmup_fraction, "criteria.warmup_fraction", 0.0, 0.9)
+        check_float(self.curve_margin_rel, "criteria.curve_margin_rel", 0.0)
         check_float(self.curve_k, "criteria.curve_k", 0.0, open_lo=True)
-        check_float(self.curve_rtol, "criteria.curve_rtol", 0.0)
+        if self.curve_role not in ("guard", "primary"):
+            raise ValueError(f"criteria.curve_role must be 'guard' or 'primary'; got {self.curve_role!r}")
         check_float(self.curve_pool_fraction, "criteria.curve_pool_fraction", 0.0, 1.0)
         check_float(self.curve_max_outside, "criteria.curve_max_outside", 0.0, 1.0)
         check_float(self.metric_alpha, "criteria.metric_alpha", 0.0, 0.5, open_lo=True)
+        check_float(self.pass_alpha, "criteria.pass_alpha", 0.0, 0.5, open_lo=True)
+        check_float(self.power, "criteria.power", 0.5, 0.999, open_lo=True)
         check_float(self.metric_margin_rel, "criteria.metric_margin_rel", 0.0)
         check_float(self.metric_margin_std, "criteria.metric_margin_std", 0.0)
         check_float(self.spike_factor, "criteria.spike_factor", 1.0, open_lo=True)
         check_float(self.spike_mad, "criteria.spike_mad", 0.0)
         check_int(self.spike_window, "criteria.spike_window", 2)
+        if self.metric_margins is not None:
+            pairs = isinstance(self.metric_margins, tuple) and all(
+                isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) and kv[0] for kv in
+                self.metric_margins)
+            if not pairs:
+                raise ValueError("criteria.metric_margins must map metric names to relative margins, e.g. "
+                                 f"{{\"loss\": 0.05}}; got {self.metric_margins!r}")
+            for name, value in self.metric_margins:
+                check_float(value, f"criteria.metric_margins.{name}", 0.0)
         if self.metrics is not None:
             ok = isinstance(self.metrics, tuple) and self.metrics and all(
                 isinstance(m, str) and m for m in self.metrics)
@@ -216,9 +352,14 @@ class Criteria:
                 raise ValueError(f"criteria.metrics must be None or a non-empty tuple of distinct metric names; "
                                  f"got {self.metrics!r}")
 
+    def margin_rel(self, metric: str) -> float:
+        """The relative margin of ``metric``: its ``metric_margins`` entry, else ``metric_margin_rel``."""
+        return dict(self.metric_margins or ()).get(metric, self.metric_margin_rel)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["metrics"] = None if self.metrics is None else list(self.metrics)
+        d["metric_margins"] = None if self.metric_margins is None else dict(self.metric_margins)
         return d
 
     @classmethod
@@ -227,10 +368,15 @@ class Criteria:
         if not isinstance(data, dict):
             raise ValueError(f"criteria must be an object; got {type(data).__name__}")
         allowed = {f.name for f in dataclasses.fields(cls)}
-        extra = sorted(set(data) - allowed)
+        extra = sorted(set(data) - allowed - {"curve_rtol"})
         if extra:
             raise ValueError(f"criteria: unknown key(s) {extra}; allowed: {sorted(allowed)}")
         kw = dict(data)
+        if "curve_rtol" in kw:  # the band floor of baselines made before the margin test: it was the curve margin
+            legacy = kw.pop("curve_rtol")
+            kw.setdefault("curve_margin_rel", legacy)
+        if isinstance(kw.get("metric_margins"), dict):
+            kw["metric_margins"] = tuple(sorted(kw["metric_margins"].items()))
         if isinstance(kw.get("metrics"), list):
             kw["metrics"] = tuple(kw["metrics"])
         return cls(**kw)
