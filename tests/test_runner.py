@@ -192,8 +192,16 @@ def test_cli_store_errors_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     (tmp_path / "c.toml").write_text('model = "mlp-digits"\nsteps = 2\n')
     (tmp_path / "file").write_text("x")
     for args, needle in ((["run", "c.toml", "--store", str(tmp_path / "file" / "runs.db")], "cannot write"),
-                         (["runs", "show", "ffffffff"], "ffffffff"),
-                         (["run", "--resume", "abcd1234"], "abcd1234")):
+                         (["runs", "show", "ffffffff"], "no run store at"),  # reading never creates a store
+                         (["run", "--resume", "abcd1234"], "no run store at")):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("lowprec: error:") and needle in err, (args, err)
+    assert not (tmp_path / "lowprec-runs").exists()
+    with RunStore(tmp_path / "r.db"):
+        pass
+    for args, needle in ((["runs", "show", "ffffffff", "--store", str(tmp_path / "r.db")], "ffffffff"),
+                         (["run", "--resume", "abcd1234", "--store", str(tmp_path / "r.db")], "abcd1234")):
         assert main(args) == 2, args
         err = capsys.readouterr().err
         assert err.startswith("lowprec: error:") and needle in err, (args, err)

@@ -57,7 +57,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.allow_restart and not args.resume:
         raise ValueError("--allow-restart goes with --resume RUN_ID")
     if args.resume:
-        with open_store(store_path(args)) as store:
+        with open_store(store_path(args), create=False) as store:  # a run to resume lives in an existing store
             run_id = resume_run(args.resume, store=store, progress=not args.quiet, world_size=args.world_size,
                                 allow_restart=args.allow_restart)
             print(f"resumed run {run_id}: {store.get_run(run_id).status}")
