@@ -317,3 +317,26 @@ def test_run_data_from_store_uses_only_the_contract_calls() -> None:
 
     run = RunData.from_store(Store(), "abcd")
     assert run.run_id == "abcdef123456" and run.events[0]["kind"] == "x" and run.scalars["train/loss"][1][0] == 2.0
+
+
+def test_candidates_of_different_experiments_are_not_pooled() -> None:
+    """A JAX run and a PyTorch run of one model and recipe (or two parallel layouts) are different experiments:
+    judging them as one sample is an error naming the difference (issue 15, section 3)."""
+    import dataclasses
+
+    rng = np.random.default_rng(31)
+    base, cands = trial(rng, 3, 2)
+    jax = dataclasses.replace(cands[1], manifest={**cands[1].manifest, "framework": "jax"})
+    with pytest.raises(ValueError, match="not seeds of one experiment.*framework 'jax' vs 'torch'"):
+        judge(base, [cands[0], jax])
+    ddp = dataclasses.replace(cands[1], config={**cands[1].config, "parallel": {"strategy": "ddp", "world_size": 2}})
+    with pytest.raises(ValueError, match="parallel 'ddp x2' vs 'single x1'"):
+        judge(base, [cands[0], ddp])
+    judge(base, cands)  # seeds of one experiment: judged
+
+
+def test_jax_configs_get_their_own_default_group() -> None:
+    from lowprec.runs._config import RunConfig
+
+    assert RunConfig(model="gpt-bytes").label == "gpt-bytes fp32"
+    assert RunConfig(model="gpt-bytes", framework="jax").label == "gpt-bytes fp32 [jax]"

@@ -118,12 +118,28 @@ def cmd_report(args: argparse.Namespace) -> int:
     from .runs._report import write_report
 
     baseline, runs, verdicts = _judged(args)
-    path = write_report(args.out, baseline=baseline, runs=runs, verdict=verdicts)
+    path = write_report(args.out, baseline=baseline, runs=runs, verdict=verdicts,
+                        baseline_runs=_baseline_runs(args, baseline) or ())
     from .runs._judge import WORDS, combine_outcomes
 
     word = WORDS[combine_outcomes([v.outcome for v in verdicts])]
     print(f"wrote {path} ({word}); open it in a browser")
     return 0
+
+
+def _baseline_runs(args: argparse.Namespace, baseline: Any) -> list[Any] | None:
+    """The baseline's own seed runs when the store holds them (the report's over-time charts), else None (a
+    baseline file from another machine)."""
+    from .runs._baseline import RunData
+    from .runs._store import StoreCorrupt, StoreError
+
+    try:
+        with open_store(store_path(args), create=False) as store:
+            return [RunData.from_store(store, rid) for rid in baseline.run_ids]
+    except StoreCorrupt:
+        raise
+    except StoreError:  # not in this store (a golden file, or deleted runs): the charts show the candidates only
+        return None
 
 
 def add_parsers(sub: Any) -> None:

@@ -257,7 +257,8 @@ class RunConfig:
     @property
     def label(self) -> str:
         layout = "" if self.parallel.strategy == "single" else f" {self.parallel.strategy}x{self.parallel.world_size}"
-        return self.name or f"{self.model} {self.recipe.name}{layout}"
+        framework = "" if self.framework == "torch" else f" [{self.framework}]"  # a JAX run is another experiment
+        return self.name or f"{self.model} {self.recipe.name}{layout}{framework}"
 
     def for_seed(self, seed: int) -> RunConfig:
         """The config of the single run with ``seed``."""

@@ -90,15 +90,21 @@ def run_demo(*, store_path: str, report_path: str, steps: int | None = None, pro
             runs = [RunData.from_store(store, i) for i in ids]
             all_runs += runs
             verdicts.append((arm.name or "", judge(baseline, runs)))
+        expected = _as_expected(verdicts)
         report = write_report(report_path, baseline=baseline, runs=all_runs, verdict=[v for _, v in verdicts],
-                              title="lowprec demo: low-precision recipes vs an fp32 baseline (mlp-digits)")
+                              title="lowprec demo: low-precision recipes vs an fp32 baseline (mlp-digits)",
+                              baseline_runs=[RunData.from_store(store, i) for i in baseline.run_ids],
+                              expectation=f"expected: {EXPECTATION}: "
+                                          + ("as expected" if expected else "NOT as expected"))
     print(_table(baseline, verdicts, all_runs))
     print(f"\nHTML report: {report.resolve()}   ({time.perf_counter() - t0:.0f} s; runs stored in {store_path})")
-    expected = _as_expected(verdicts)
-    print("expected: no recipe FAILs and at least one PASSes, the negative control FAILs, and the one-seed arm is "
-          "INCONCLUSIVE with the seed count that would decide it")
+    print(f"expected: {EXPECTATION}")
     print("as expected" if expected else "NOT as expected: see the evidence above")
     return expected
+
+
+EXPECTATION = ("no recipe FAILs and at least one PASSes, the negative control FAILs, and the one-seed arm is "
+               "INCONCLUSIVE with the seed count that would decide it")
 
 
 def _as_expected(verdicts: list[tuple[str, Verdict]]) -> bool:

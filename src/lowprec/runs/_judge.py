@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import scipy.stats
 
-from ._baseline import LOSS_KEY, Baseline, RunData, final_value, planned_steps
+from ._baseline import LOSS_KEY, Baseline, RunData, config_digest, final_value, planned_steps
 from ._stats import find_spike, margin_test, pooled_std, smooth
 
 DIVERGENCE_EVENTS = ("nonfinite", "diverged")
@@ -132,6 +132,7 @@ def judge(baseline: Baseline, candidates: list[RunData]) -> Verdict:
     comparable (``Baseline.check_compatible``).  Everything else is a verdict, never an exception."""
     if not candidates:
         raise ValueError("judge needs at least one candidate run")
+    check_alike(candidates)
     seen: dict[Any, str] = {}
     for run in candidates:
         baseline.check_compatible(run)
@@ -150,6 +151,31 @@ def judge(baseline: Baseline, candidates: list[RunData]) -> Verdict:
         plan = plan_for(baseline, candidates, results)
     return Verdict(outcome=outcome, baseline=baseline.name, candidates=tuple(r.run_id for r in candidates),
                    results=tuple(results), plan=plan)
+
+
+def experiment(run: RunData) -> dict[str, Any]:
+    """What makes runs different experiments, besides the seed: the framework, the device, the parallel layout,
+    the recipe (its hash) and the rest of the config (its digest without run-local keys)."""
+    par = run.config.get("parallel") or {}
+    return {"framework": run.manifest.get("framework", run.config.get("framework", "torch")),
+            "device": (run.manifest.get("hardware") or {}).get("device", "cpu"),
+            "parallel": f"{par.get('strategy', 'single')} x{par.get('world_size', 1)}",
+            "recipe": run.manifest.get("recipe_hash"),
+            "config": config_digest({k: v for k, v in run.config.items() if k not in ("framework", "parallel")})}
+
+
+def check_alike(candidates: list[RunData]) -> None:
+    """``ValueError`` naming the difference when the candidates are not seeds of one experiment (``experiment``):
+    pooling, say, JAX and PyTorch runs of one recipe would judge a mixture as one sample."""
+    first = candidates[0]
+    want = experiment(first)
+    for run in candidates[1:]:
+        got = experiment(run)
+        diff = [f"{k} {got[k]!r} vs {want[k]!r}" for k in want if got[k] != want[k]]
+        if diff:
+            raise ValueError(f"candidate runs {first.label} and {run.label} are not seeds of one experiment "
+                             f"({'; '.join(diff)}): judge them as separate groups (give each config its own "
+                             f"name or group) or select the runs of one")
 
 
 def _loss(run: RunData) -> tuple[np.ndarray, np.ndarray]:

@@ -587,17 +587,19 @@ def _dynamics_section(b: Baseline, groups: list[_Group], baseline_runs: Sequence
 
 def _metrics_section(b: Baseline, groups: list[_Group]) -> str:
     metrics = list(b.metrics)
-    head = ["run", "seed", "group"] + [f"{m} ({'lower' if b.metrics[m] == 'min' else 'higher'} is better)"
-                                       for m in metrics]
+    head = ["run", "run id", "seed", "group"] + [f"{m} ({'lower' if b.metrics[m] == 'min' else 'higher'} is better)"
+                                                 for m in metrics]
     rows = []
     for i, (s, n) in enumerate(zip(b.seeds, b.run_names, strict=True)):
-        rows.append([esc(n), esc(s), "baseline"] + [f"{b.finals[m][i]:.6g}" for m in metrics])
+        rid = b.run_ids[i] if i < len(b.run_ids) else ""
+        rows.append([esc(n), f"<code>{esc(rid)}</code>", esc(s), "baseline"]
+                    + [f"{b.finals[m][i]:.6g}" for m in metrics])
     for g in groups:
         for r in g.runs:
             vals = [final_value(r, m) for m in metrics]
-            rows.append([esc(r.name), esc(r.manifest.get("seed")), esc(g.label)]
+            rows.append([esc(r.name), f"<code>{esc(r.run_id)}</code>", esc(r.manifest.get("seed")), esc(g.label)]
                         + ["(none)" if v is None else esc(f"{v[1]:.6g}") for v in vals])
-    classes = [["", "num", ""] + ["num"] * len(metrics) for _ in rows]
+    classes = [["", "", "num", ""] + ["num"] * len(metrics) for _ in rows]
     charts = []
     for m in metrics:
         base = list(b.finals[m])
