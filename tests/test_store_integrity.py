@@ -260,3 +260,18 @@ def test_seal_refuses_a_corrupt_store_and_check_reports_an_unreadable_file(tmp_p
     rc, _, err = _main(capsys, "store", "check", "--store", str(tmp_path / "nope.db"))
     assert rc == 2 and "no run store at" in err and not (tmp_path / "nope.db").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_undecodable_bytes_in_the_schema_are_reported_as_corrupt(trained: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the fuzz over 1000 overwrites: bytes that are not UTF-8 inside the schema text (page 1) made
+    SQLite's error message undecodable, and Python raised UnicodeDecodeError instead of sqlite3.DatabaseError."""
+    data = (trained / "runs.db").read_bytes()
+    at = data.find(b"CREATE TABLE scalars")
+    assert at > 0
+    path = tmp_path / "runs.db"
+    path.write_bytes(data[:at + 7] + b"\xe7\xa1\xff" + data[at + 10:])
+    rc, out, err = _main(capsys, "store", "check", "--store", str(path))
+    assert rc == 1 and "CORRUPT" in out and "malformed database schema" in out, (out, err)
+    with pytest.raises(StoreCorrupt, match="is not a lowprec run store"):
+        RunStore(path)

@@ -294,10 +294,14 @@ def _real(v: Any) -> float | None:
     return None if v is None else float(v)
 
 
+_key_bytes = functools.lru_cache(maxsize=1 << 16)(_text)  # a run logs the same few keys at every step
+
+
 def scalar_checksum(run_id: str, step: int, key: str, value: float | None) -> int:
     """Checksum of one scalars row (``value`` None for a stored NaN)."""
     tail = b"n" if value is None else _D.pack(value if value != 0.0 else 0.0)
-    return _digest(b"S" + run_id.encode() + _Q.pack(step) + _text(key) + tail)
+    return int.from_bytes(hashlib.blake2b(b"S" + run_id.encode() + _Q.pack(step) + _key_bytes(key) + tail,
+                                          digest_size=8).digest(), "little", signed=True)
 
 
 def event_checksum(event_id: int, run_id: str, step: int, kind: str, payload: str, created_at: float) -> int:
@@ -441,7 +445,7 @@ def _scalar_problems(run_id: str, rows: Sequence[tuple[str, int, float | None, i
         try:
             kb = keys.get(key)
             if kb is None:
-                kb = keys[key] = _text(key)
+                kb = keys[key] = _key_bytes(key)
             tail = b"n" if value is None else pack_d(value if value != 0.0 else 0.0)
             ok = checksum == from_bytes(blake2b(prefix + pack_q(step) + kb + tail, digest_size=8).digest(),
                                         "little", signed=True)
@@ -659,6 +663,8 @@ class RunStore:
                     delay = min(2 * delay, 0.1)
                     continue
                 raise self._translate(e) from e
+            except UnicodeDecodeError as e:  # SQLite's message quotes a damaged schema's bytes, which Python cannot
+                raise StoreCorrupt(_not_a_store(self.path, f"malformed database schema ({e})")) from e
 
     def _connection(self) -> sqlite3.Connection:
         if self._closed:
