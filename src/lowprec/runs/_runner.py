@@ -463,6 +463,18 @@ def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: st
     _checkpoint(config, run_id, st, store)
 
 
+def _exists(store: RunStore, run_id: str) -> bool:
+    """Whether the store holds exactly ``run_id`` (one indexed lookup: an unrelated corrupt run does not matter)."""
+    from ._store import StoreError
+
+    try:
+        return store.get_run(run_id, verify=False).run_id == run_id
+    except StoreError as e:
+        if "no run with id" in str(e):
+            return False
+        raise
+
+
 def _open_run(config: RunConfig, task: Task, st: _State, store: RunStore, *, seed: int, resume: str | None,
               run_id: str | None, allow_restart: bool) -> str:
     """Create the run (rank 0), or continue it from its newest usable checkpoint when resuming or when a restarted
@@ -490,7 +502,7 @@ def _open_run(config: RunConfig, task: Task, st: _State, store: RunStore, *, see
         # the run exists: a new launch of the workers (lowprec run --resume of a data-parallel run), or an
         # elastic restart (torchrun restarted the worker group), which continues its run or starts it over when
         # it wrote no usable checkpoint yet: that is what max_restarts asks for
-        exists = w.is_main and run_id is not None and any(r.run_id == run_id for r in store.list_runs())
+        exists = w.is_main and run_id is not None and _exists(store, run_id)
         rid, create = run_id, not exists
         allow_restart = allow_restart or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     rid, create = w.broadcast((rid, create))
