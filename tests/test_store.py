@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import multiprocessing as mp
 import os
@@ -157,8 +158,8 @@ def test_argument_validation_names_the_field(store: RunStore) -> None:
         (lambda: store.log_scalars(rid, 1.5, {"a": 1.0}), "must be an integer >= 0, got 1.5"),
         (lambda: store.log_scalars(rid, 1, {"a": "x"}), "scalar 'a' at step 1 must be a real number, got 'x'"),
         (lambda: store.log_scalars(rid, 1, {"": 1.0}), "scalar key must be a non-empty string"),
-        (lambda: store.finish_run(rid, status="done"), "status must be one of completed, failed, got 'done'"),
-        (lambda: store.list_runs(status="ok"), "status must be one of running, completed, failed"),
+        (lambda: store.finish_run(rid, status="done"), "status must be one of completed, diverged, failed, got 'done'"),
+        (lambda: store.list_runs(status="ok"), "status must be one of running, completed, diverged, failed"),
         (lambda: store.create_run(name="", config={}, manifest={}), "name must be a non-empty string"),
         (lambda: store.create_run(name="n", config={"f": object()}, manifest={}), "config must be JSON-serial"),
         (lambda: store.create_run(name="n", config=[], manifest={}), "config must be a dict, got list"),
@@ -224,7 +225,7 @@ def test_default_path_creates_parent_and_uses_wal(tmp_path: Path, monkeypatch: p
     con = sqlite3.connect(db)
     try:
         assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == len(MIGRATIONS) == 2
+        assert con.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == len(MIGRATIONS) == 3
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         assert {"runs", "scalars", "events", "baselines", "schema_version", "run_heads"} <= tables
         assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
@@ -245,7 +246,7 @@ def test_migrations_apply_in_order_once(tmp_path: Path, monkeypatch: pytest.Monk
             assert s.scalars(rid)["a"][1].tolist() == [1.5]
     con = sqlite3.connect(path)
     try:
-        assert [r[0] for r in con.execute("SELECT version FROM schema_version ORDER BY version")] == [1, 2, 3]
+        assert [r[0] for r in con.execute("SELECT version FROM schema_version ORDER BY version")] == [1, 2, 3, 4]
         assert con.execute("SELECT run_id, tag FROM tags").fetchall() == [(rid, "migrated")]
     finally:
         con.close()
@@ -272,8 +273,8 @@ def test_newer_schema_version_asks_to_upgrade(tmp_path: Path) -> None:
     with con:
         con.execute("INSERT INTO schema_version VALUES (?, 0)", (len(MIGRATIONS) + 1,))
     con.close()
-    with pytest.raises(StoreError, match=r"written by a newer lowprec \(schema version 3; this lowprec reads up to "
-                                         r"version 2\); upgrade lowprec"):
+    with pytest.raises(StoreError, match=r"written by a newer lowprec \(schema version 4; this lowprec reads up to "
+                                         r"version 3\); upgrade lowprec"):
         RunStore(path)
 
 
@@ -677,3 +678,107 @@ def test_lowprec_run_on_a_full_disk_names_both_errors_and_the_run_reads_failed(t
             assert rec.error == f"process {rec.pid} ended without finishing the run"  # the dead-process rule
         else:  # it fitted in the log's last pages: the reason is stored
             assert rec.error is not None and "the disk is full" in rec.error, rec
+
+
+# -- deleting runs and baselines; status "diverged" and its migration (oracle: store check and the rows written) ----
+
+def test_delete_run_removes_its_rows_and_leaves_the_store_clean(store: RunStore) -> None:
+    keep, gone = _new(store, "keep"), _new(store, "gone")
+    for rid in (keep, gone):
+        store.log_rows(rid, [(i, "train/loss", 1.0 / (i + 1)) for i in range(10)])
+        store.add_event(rid, step=3, kind="note", payload={"x": 1})
+    assert store.delete_run(gone[:6]) == (gone, 10, 1)
+    assert [r.run_id for r in store.list_runs()] == [keep]
+    with pytest.raises(StoreError, match="no run with id"):
+        store.get_run(gone)
+    con = sqlite3.connect(store.path)
+    try:
+        for table in ("runs", "scalars", "events", "run_heads"):
+            assert con.execute(f"SELECT COUNT(*) FROM {table} WHERE run_id = ?", (gone,)).fetchone()[0] == 0
+    finally:
+        con.close()
+    report = store.check()
+    assert report.ok and [r.state for r in report.runs] == ["ok"], report.lines()
+    assert store.scalars(keep)["train/loss"][1].size == 10 and len(store.events(keep)) == 1
+    with pytest.raises(StoreError, match="no run with id"):
+        store.delete_run(gone)
+
+
+def test_delete_baseline(store: RunStore) -> None:
+    store.save_baseline("a", {"v": 1})
+    store.save_baseline("b", {"v": 2})
+    store.delete_baseline("a")
+    assert store.list_baselines() == ["b"] and store.check().ok
+    with pytest.raises(StoreError, match=r"no baseline named 'a' in .*; known baselines: b"):
+        store.delete_baseline("a")
+
+
+def test_diverged_status_is_stored_listed_and_checked(store: RunStore) -> None:
+    done, bad = _new(store, "done"), _new(store, "bad")
+    store.finish_run(done, status="completed")
+    store.finish_run(bad, status="diverged")
+    assert store.get_run(bad).status == "diverged" and store.get_run(bad).finished_at is not None
+    assert [r.run_id for r in store.list_runs(status="diverged")] == [bad]
+    assert [r.run_id for r in store.list_runs(status="completed")] == [done]
+    assert _store.FINAL_STATUSES == ("completed", "diverged", "failed")
+    assert store.check().ok
+
+
+def _v2_store(path: Path) -> list[str]:
+    """A schema-2 store written as lowprec wrote it then: two sealed runs with rows, one unsealed (pre-checksum)."""
+    con = sqlite3.connect(path, isolation_level=None)
+    con.execute("CREATE TABLE schema_version (version INTEGER NOT NULL, applied_at REAL NOT NULL)")
+    for v, migration in enumerate(MIGRATIONS[:2]):
+        for statement in migration:
+            con.execute(statement)
+        con.execute("INSERT INTO schema_version VALUES (?, 0)", (v + 1,))
+    ids = ["0123456789ab", "0123456789ac", "0123456789ad"]
+    for i, rid in enumerate(ids):
+        row = (rid, f"r{i}", "g", "completed", 5.0, 6.0, json.dumps({"seed": i}), "{}", None, "h", 1, None)
+        sealed = i < 2
+        con.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (*row, _store.run_checksum(row) if sealed else None))
+        for step in range(3):
+            value = float(step + i)
+            con.execute("INSERT INTO scalars VALUES (?, ?, 'train/loss', ?, ?)",
+                        (rid, step, value, _store.scalar_checksum(rid, step, "train/loss", value) if sealed else None))
+        con.execute("INSERT INTO events (run_id, step, kind, payload, created_at) VALUES (?, 1, 'k', '{}', 7.0)",
+                    (rid,))
+        eid = con.execute("SELECT MAX(event_id) FROM events").fetchone()[0]
+        if sealed:
+            con.execute("UPDATE events SET checksum = ? WHERE event_id = ?",
+                        (_store.event_checksum(eid, rid, 1, "k", "{}", 7.0), eid))
+            con.execute("INSERT INTO run_heads VALUES (?, 'a', 3, 1)", (rid,))
+    con.close()
+    return ids
+
+
+def test_a_schema_2_store_migrates_keeping_every_row_and_checksum(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    ids = _v2_store(path)
+    with RunStore(path) as s:
+        assert s._schema == len(MIGRATIONS) == 3
+        # created in the same instant: the order of insertion (rowid) is kept
+        assert [r.run_id for r in s.list_runs()] == ids[::-1]
+        for i, rid in enumerate(ids):
+            assert s.scalars(rid)["train/loss"][1].tolist() == [i, i + 1, i + 2]
+            assert [e["kind"] for e in s.events(rid)] == ["k"]
+        report = s.check()
+        assert report.ok and [r.state for r in report.runs] == ["ok", "ok", "unverified"], report.lines()
+        s.finish_run(ids[0], status="diverged")  # the new constraint admits it
+        assert s.get_run(ids[0]).status == "diverged"
+        s.delete_run(ids[1])  # the foreign keys still cascade to (and name) the rebuilt table
+        assert s.check().ok
+    con = sqlite3.connect(path)
+    try:
+        con.execute("PRAGMA foreign_keys = ON")
+        assert con.execute("PRAGMA foreign_key_check").fetchall() == []
+        assert con.execute("SELECT COUNT(*) FROM scalars").fetchone()[0] == 6
+        sql = con.execute("SELECT sql FROM sqlite_master WHERE name = 'scalars'").fetchone()[0]
+        assert "REFERENCES runs (run_id)" in sql or "REFERENCES \"runs\"" in sql
+        assert {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'index'")} >= {
+            "runs_by_created", "runs_by_group"}
+        with pytest.raises(sqlite3.IntegrityError):
+            con.execute("UPDATE runs SET status = 'bogus'")
+    finally:
+        con.close()

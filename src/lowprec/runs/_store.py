@@ -99,8 +99,8 @@ __all__ = ["DEFAULT_PATH", "MIGRATIONS", "BaselineCheck", "RunCheck", "RunRecord
 T = TypeVar("T")
 
 DEFAULT_PATH = Path("lowprec-runs") / "runs.db"
-STATUSES = ("running", "completed", "failed")
-FINAL_STATUSES = ("completed", "failed")
+STATUSES = ("running", "completed", "diverged", "failed")
+FINAL_STATUSES = ("completed", "diverged", "failed")
 MIN_PREFIX = 4
 BUSY_TIMEOUT_MS = 5_000  # one wait inside SQLite for the write lock ...
 WRITE_DEADLINE_S = 120.0  # ... retried with back-off until this deadline
@@ -165,7 +165,37 @@ _V2 = (
         n_events  INTEGER NOT NULL
     ) WITHOUT ROWID""",
 )
-MIGRATIONS: list[tuple[str, ...]] = [_V1, _V2]
+# Version 3: status "diverged" (a run that stopped at a non-finite loss or gradient norm).  SQLite cannot alter a
+# CHECK constraint, so the runs table is rebuilt: a new table, every row copied as it is (rowid included, so the
+# order of runs created in the same instant stays; the checksums cover the values, which do not change), the old
+# table dropped and the new one renamed.  ``_migrate`` turns foreign keys off around the migration transaction
+# (SQLite's documented procedure): dropping the old table must not cascade to scalars, events and run_heads, whose
+# references then name the new table.
+_V3 = (
+    """CREATE TABLE runs_v3 (
+        run_id      TEXT PRIMARY KEY,
+        name        TEXT NOT NULL,
+        grp         TEXT,
+        status      TEXT NOT NULL CHECK (status IN ('running', 'completed', 'diverged', 'failed')),
+        created_at  REAL NOT NULL,
+        finished_at REAL,
+        config      TEXT NOT NULL,  -- JSON
+        manifest    TEXT NOT NULL,  -- JSON
+        error       TEXT,
+        hostname    TEXT NOT NULL,  -- host, pid and pid start time of the writing process (dead-process rule)
+        pid         INTEGER NOT NULL,
+        pid_start   TEXT,
+        checksum    INTEGER
+    )""",
+    "INSERT INTO runs_v3 (rowid, run_id, name, grp, status, created_at, finished_at, config, manifest, error, "
+    "hostname, pid, pid_start, checksum) SELECT rowid, run_id, name, grp, status, created_at, finished_at, config, "
+    "manifest, error, hostname, pid, pid_start, checksum FROM runs",
+    "DROP TABLE runs",
+    "ALTER TABLE runs_v3 RENAME TO runs",
+    "CREATE INDEX runs_by_created ON runs (created_at)",
+    "CREATE INDEX runs_by_group ON runs (grp)",
+)
+MIGRATIONS: list[tuple[str, ...]] = [_V1, _V2, _V3]
 
 
 class StoreError(ValueError):
@@ -187,7 +217,7 @@ class RunRecord:
     run_id: str  # 12 hex chars; any unique prefix of >= 4 chars selects it
     name: str  # human label
     group: str | None  # selects a group of runs, e.g. a baseline's name
-    status: str  # "running" | "completed" | "failed"
+    status: str  # "running" | "completed" | "diverged" | "failed"
     created_at: float  # unix time
     finished_at: float | None
     config: dict  # the full resolved run config
@@ -614,7 +644,13 @@ class RunStore:
                     c.execute(statement)
                 c.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (v + 1, time.time()))
 
-        self._retry(conn, migrate, transaction=True)
+        # off outside the transaction (SQLite ignores the pragma inside one): a migration that rebuilds a table
+        # (version 3) must not cascade the old table's DROP to the rows that reference it
+        self._retry(conn, lambda c: c.execute("PRAGMA foreign_keys = OFF"), transaction=False)
+        try:
+            self._retry(conn, migrate, transaction=True)
+        finally:
+            self._retry(conn, lambda c: c.execute("PRAGMA foreign_keys = ON"), transaction=False)
         self._schema = latest
 
     def _translate(self, e: sqlite3.Error) -> StoreError:
@@ -954,7 +990,8 @@ class RunStore:
                   (*changes.values(), run_checksum(list(row.values())), rid))
 
     def finish_run(self, run_id: str, *, status: str, error: str | None = None) -> None:
-        """Mark the run "completed" or "failed" (with ``error`` saying why) and stamp ``finished_at``.
+        """Mark the run "completed", "diverged" (it stopped at a non-finite loss or gradient norm) or "failed" (with
+        ``error`` saying why) and stamp ``finished_at``.
 
         From the object that claimed the run: only while its claim is current (``RunTakenOver`` otherwise).  From
         any other object (a launcher, another rank): always, and it revokes the current attempt, so a writer that
@@ -1000,6 +1037,27 @@ class RunStore:
         with self._lock:
             rid = self._write(reopen)
             self._claims[rid] = attempt
+
+    def delete_run(self, run_id: str) -> tuple[str, int, int]:
+        """Delete a run (id or unique prefix): its record, scalars, events and checksum head, in one transaction;
+        returns (run id, scalar rows, events) deleted.  The store stays consistent (``check()`` finds nothing
+        missing: the counts that cover lost rows are the run's own and go with it).  Files outside the store (its
+        checkpoints, its launch config) are the caller's: ``lowprec runs delete`` removes them.  Whether the run
+        is still being written, or a baseline is built from it, is the caller's to check first."""
+
+        def delete(c: sqlite3.Connection) -> tuple[str, int, int]:
+            rid = self._resolve(c, run_id)
+            n_s = c.execute("DELETE FROM scalars WHERE run_id = ?", (rid,)).rowcount
+            n_e = c.execute("DELETE FROM events WHERE run_id = ?", (rid,)).rowcount
+            if self._checksummed:
+                c.execute("DELETE FROM run_heads WHERE run_id = ?", (rid,))
+            c.execute("DELETE FROM runs WHERE run_id = ?", (rid,))
+            return rid, n_s, n_e
+
+        with self._lock:
+            out = self._write(delete)
+            self._claims.pop(out[0], None)
+        return out
 
     # -- scalars and events --------------------------------------------------------------------------------------
 
@@ -1255,6 +1313,17 @@ class RunStore:
         if problem:
             raise StoreCorrupt(f"baseline {name!r} in {self.path}: {problem}; {_corrupt_hint(self.path)}")
         return dict(_loads(f"baseline {name!r}", payload))
+
+    def delete_baseline(self, name: str) -> None:
+        """Delete the baseline ``name`` (its seed runs stay); StoreError naming the known baselines when missing."""
+
+        def delete(c: sqlite3.Connection) -> None:
+            if c.execute("DELETE FROM baselines WHERE name = ?", (name,)).rowcount == 0:
+                known = [r[0] for r in c.execute("SELECT name FROM baselines ORDER BY name")]
+                hint = f"known baselines: {', '.join(known)}" if known else "no baselines are saved there yet"
+                raise StoreError(f"no baseline named {name!r} in {self.path}; {hint}")
+
+        self._write(delete)
 
     def list_baselines(self) -> list[str]:
         """Names of the stored baselines, sorted."""
