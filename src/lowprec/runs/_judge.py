@@ -47,8 +47,22 @@ EXIT_CODES = {"pass": 0, "fail": 1, "inconclusive": 3}
 
 
 
+class _Outcome:
+    """``passed`` and ``word`` of anything with an ``outcome``."""
+
+    outcome: str
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "pass"
+
+    @property
+    def word(self) -> str:
+        return WORDS[self.outcome]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CriterionResult:
+class CriterionResult(_Outcome):
     name: str
     outcome: str
     """"pass", "fail" or "inconclusive"."""
@@ -59,14 +73,6 @@ class CriterionResult:
     role: str = "primary"
     """"primary": a PASS verdict needs it to PASS; "guard": a PASS verdict only needs it not to FAIL (completion,
     divergence, and the curve unless ``Criteria.curve_role = "primary"``)."""
-
-    @property
-    def passed(self) -> bool:
-        return self.outcome == "pass"
-
-    @property
-    def word(self) -> str:
-        return WORDS[self.outcome]
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "outcome": self.outcome, "role": self.role, "passed": self.passed,
@@ -87,7 +93,7 @@ def combine(results: list[CriterionResult]) -> str:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Verdict:
+class Verdict(_Outcome):
     outcome: str
     baseline: str
     candidates: tuple[str, ...]
@@ -95,14 +101,6 @@ class Verdict:
     results: tuple[CriterionResult, ...]
     plan: dict[str, Any] | None = None
     """For an INCONCLUSIVE verdict: the seeds that would decide it (``_plan.plan_for``), else None."""
-
-    @property
-    def passed(self) -> bool:
-        return self.outcome == "pass"
-
-    @property
-    def word(self) -> str:
-        return WORDS[self.outcome]
 
     @property
     def exit_code(self) -> int:
