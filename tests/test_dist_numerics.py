@@ -79,7 +79,7 @@ def test_replay_names_the_faulty_rank_module_and_role(store_path: str, clean_bas
         rid = _run(store, f"loc/{strategy}/{fault}")
         (ev,) = store.events(rid, kind="nonfinite")
         (div,) = store.events(rid, kind="diverged")
-        assert store.get_run(rid).status == "completed"
+        assert store.get_run(rid).status == "diverged"
         run = RunData.from_store(store, rid)
     p = ev["payload"]
     assert ev["step"] == div["step"] == 4

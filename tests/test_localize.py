@@ -314,7 +314,7 @@ def test_run_records_nonfinite_event_and_judge_names_it(tmp_path: Path, model: s
         (rid,) = run_config(_cfg(tmp_path, model, 3), store=store, progress=False)
         (ev,) = store.events(rid, kind="nonfinite")
         (div,) = store.events(rid, kind="diverged")
-        assert ev["step"] == div["step"] == 4 and store.get_run(rid).status == "completed"
+        assert ev["step"] == div["step"] == 4 and store.get_run(rid).status == "diverged"
         p = ev["payload"]
         assert (p["module"], p["role"], p["step"], p["found"], p["replay_exact"]) == (module, role, 4, True, True)
         assert p["shape"] == [64, 128]

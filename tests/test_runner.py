@@ -122,7 +122,7 @@ def test_nan_loss_stops_run_with_event(tmp_path: Path) -> None:
         assert steps[-1] == 7 and np.isnan(loss[-1]) and np.isfinite(loss[:-1]).all()
         (ev,) = store.events(rid, kind="diverged")
         assert ev["step"] == 7
-        assert store.get_run(rid).status == "completed"
+        assert store.get_run(rid).status == "diverged"
 
 
 def _cli(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:

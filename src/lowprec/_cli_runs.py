@@ -232,7 +232,8 @@ def add_parsers(sub: Any) -> None:
     rs = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
     lst = rs.add_parser("list", help="the runs in the store, newest first")
     lst.add_argument("--group", help="only runs of this group")
-    lst.add_argument("--status", choices=("running", "completed", "failed"), help="only runs with this status")
+    lst.add_argument("--status", choices=("running", "completed", "diverged", "failed"),
+                     help="only runs with this status")
     add_store_arg(lst)
     lst.set_defaults(func=cmd_runs_list)
     show = rs.add_parser("show", help="one run: config, manifest, last values, events")

@@ -60,7 +60,7 @@ from ._jax_models import Plan, cross_entropy, forward, initial_params, initial_s
 from ._manifest import build_manifest
 from ._progress import Progress
 from ._resume import RECORDS_KEY, Candidate, check_resumable, choose, record_checkpoint
-from ._runner import build_task
+from ._runner import build_task, diverged_line
 from ._store import RunStore
 from .zoo import Task
 
@@ -240,8 +240,9 @@ def _step_values(task: Task, loss: float, norm: float, lr: float, dt: float) -> 
 
 
 def _loop(config: RunConfig, task: Task, fns: _Compiled, rid: str, store: RunStore, tree: TrainState, step: int,
-          bar: Progress) -> None:
-    """Train from ``step`` (the state ``tree`` after it) to ``config.steps``, logging and checkpointing."""
+          bar: Progress) -> bool:
+    """Train from ``step`` (the state ``tree`` after it) to ``config.steps``, logging and checkpointing; True when
+    the run diverged (stopped at a non-finite loss or gradient norm)."""
     params, states, opt_state = tree
     steps, every, lr0 = config.steps or 0, config.eval_interval or 1, config.optimizer.lr or 0.0
     interval = config.checkpoint.interval
@@ -263,10 +264,12 @@ def _loop(config: RunConfig, task: Task, fns: _Compiled, rid: str, store: RunSto
         bar.update(step, loss=loss_f)
         if diverged:
             store.add_event(rid, step=step, kind="diverged", payload={"loss": repr(loss_f), "grad_norm": repr(norm_f)})
-            break
+            _save(config, rid, step, (params, states, opt_state), store)
+            return True
         if interval and step % interval == 0 and step < steps:
             _save(config, rid, step, (params, states, opt_state), store)
     _save(config, rid, step, (params, states, opt_state), store)
+    return False
 
 
 def _np_batch(task: Task, step: int) -> tuple[jax.Array, jax.Array]:
@@ -281,9 +284,9 @@ def jax_train(config: RunConfig, *, seed: int, store: RunStore, resume: str | No
 
     Records what the PyTorch runner records (``train/loss``, ``train/grad_norm``, ``train/lr``,
     ``train/step_time_s``, ``train/samples_per_s`` per step; ``eval/<metric>`` every ``eval_interval`` steps and at
-    the last), a ``diverged`` event when the loss or gradient norm is non-finite, and checkpoints every
-    ``checkpoint.interval`` steps and at the end.  A resumed run logs the same values, bit for bit, as an
-    uninterrupted one.  Raises ``ValueError`` for what JAX runs do not implement (module docstring) and for a
+    the last), a ``diverged`` event and status "diverged" when the loss or gradient norm is non-finite, and
+    checkpoints every ``checkpoint.interval`` steps and at the end.  A resumed run logs the same values, bit for
+    bit, as an uninterrupted one.  Raises ``ValueError`` for what JAX runs do not implement (module docstring) and for a
     ``resume`` of a PyTorch run.
     """
     _check(config)
@@ -305,12 +308,14 @@ def jax_train(config: RunConfig, *, seed: int, store: RunStore, resume: str | No
                                run_id=run_id)
     bar = Progress(f"{config.label} seed {seed}", config.steps or 0, start=step, enabled=progress)
     try:
-        _loop(config, task, fns, rid, store, tree, step, bar)
+        diverged = _loop(config, task, fns, rid, store, tree, step, bar)
     except BaseException as e:
         reason = "interrupted (KeyboardInterrupt)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
         store.finish_run(rid, status="failed", error=reason)
         raise
     finally:
         bar.close()
-    store.finish_run(rid, status="completed")
+    store.finish_run(rid, status="diverged" if diverged else "completed")
+    if diverged and progress:
+        print(diverged_line(store, rid), flush=True)
     return rid

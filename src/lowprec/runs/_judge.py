@@ -186,7 +186,7 @@ def _completion(b: Baseline, runs: list[RunData]) -> CriterionResult:
     for r in runs:
         steps, _ = _loss(r)
         last = int(steps[-1]) if len(steps) else 0
-        if r.status != "completed" or last < b.steps:
+        if r.status not in ("completed", "diverged") or last < b.steps:  # diverged: finished, fails divergence
             bad[r.run_id] = f"{r.name!r} ({r.run_id}) status {r.status}, last step {last} of {b.steps}"
     if bad:
         return CriterionResult(name="completion", outcome="fail", role="guard", values={"incomplete": bad},

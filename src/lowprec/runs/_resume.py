@@ -80,8 +80,8 @@ class ResumePoint:
 def check_resumable(record: RunRecord) -> None:
     """``ValueError`` when ``record`` must not be resumed: it completed, or a live process on this host still
     writes it (the store's dead-process rule already shows a run whose process died as failed)."""
-    if record.status == "completed":
-        raise ValueError(f"run {record.run_id} ({record.name}) is completed: there is nothing to resume, and "
+    if record.status in ("completed", "diverged"):  # a diverged run is a result too
+        raise ValueError(f"run {record.run_id} ({record.name}) is {record.status}: there is nothing to resume, and "
                          "resuming would change a finished result; start a new run with lowprec run CONFIG")
     if record.status == "running" and record.hostname == socket.gethostname():
         raise ValueError(f"run {record.run_id} ({record.name}) is still running in process {record.pid} on this "

@@ -7,10 +7,11 @@ step), so a checkpoint needs only the model, the optimizer (with the recipe's lo
 and the RNG state to continue exactly: ``resume`` gives the same curve, bit for bit, as an uninterrupted run.
 
 A non-finite loss, or a non-finite gradient norm that no loss scaler will skip, stops the run at that step: the
-values are recorded, with a ``diverged`` event naming the step, and the run is completed (a diverged run is a
-result the judge fails, not a crash).  Both values are computed every step anyway, so the check is free.  Before
-the optimizer step (parameters and optimizer state still those of the step's start) the run then replays the
-step under ``lowprec.numerics.localize_nonfinite`` and records a ``nonfinite`` event naming the first module,
+values are recorded, with a ``diverged`` event naming the step, and the run ends with status "diverged" (a
+result the judge fails, not a crash; ``lowprec run`` prints where the first non-finite value came from).  Both
+values are computed every step anyway, so the check is free.  Before the optimizer step (parameters and
+optimizer state still those of the step's start) the run then replays the step under
+``lowprec.numerics.localize_nonfinite`` and records a ``nonfinite`` event naming the first module,
 tensor role and value summary; under data parallelism every rank replays its own shard and the event names the
 rank whose replay failed first (see ``_gather_localizations``).  For the replay to be exact, each step starts with
 a snapshot of what a forward/backward changes besides gradients: the module buffers (amax histories,
@@ -428,7 +429,8 @@ def _share_fallbacks(st: _State) -> None:
         st.fallback.apply(decided)
 
 
-def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: str, progress: Progress) -> None:
+def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: str, progress: Progress) -> bool:
+    """Train to ``config.steps``; True when the run diverged (stopped at a non-finite loss or gradient norm)."""
     steps, every = config.steps or 0, config.eval_interval or 1
     interval, main = config.checkpoint.interval, st.world.is_main
     while st.step < steps:
@@ -457,10 +459,31 @@ def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: st
                 store.add_event(run_id, step=st.step, kind="diverged",
                                 payload={"loss": repr(values["train/loss"]),
                                          "grad_norm": repr(values["train/grad_norm"])})
-            break
+            _checkpoint(config, run_id, st, store)
+            return True
         if interval and st.step % interval == 0 and st.step < steps:
             _checkpoint(config, run_id, st, store)
     _checkpoint(config, run_id, st, store)
+    return False
+
+
+def diverged_line(store: RunStore, run_id: str) -> str:
+    """What ``lowprec run`` prints at the end of a diverged run: the step, the non-finite values and, from the
+    run's "nonfinite" event, where the first non-finite value came from (module, tensor role, step)."""
+    from ..numerics._localize import describe_payload
+
+    events = store.events(run_id)
+    div = next((e for e in events if e["kind"] == "diverged"), None)
+    where = next((e for e in events if e["kind"] == "nonfinite"), None)
+    head = f"run {run_id} diverged" + ("" if div is None else
+                                       f" at step {div['step']} (loss {div['payload'].get('loss')}, grad norm "
+                                       f"{div['payload'].get('grad_norm')})")
+    if where is None:
+        return head + ": no localisation recorded (JAX runs, and a non-finite value outside the replayed step)"
+    try:
+        return head + ": first non-finite value in " + describe_payload(where["payload"])
+    except (KeyError, TypeError, ValueError) as e:
+        return head + f": its localisation event is unreadable ({type(e).__name__}: {e})"
 
 
 def _exists(store: RunStore, run_id: str) -> bool:
@@ -576,7 +599,7 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
     bar = Progress(f"{config.label} seed {seed}", config.steps or 0, start=st.step,
                    enabled=progress and world.is_main)
     try:
-        _loop(task, st, config, store, rid, bar)
+        diverged = _loop(task, st, config, store, rid, bar)
     except BaseException as e:
         reason = "interrupted (KeyboardInterrupt)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
         if world.is_main:
@@ -590,7 +613,9 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
             st.observer.close()
     world.barrier()
     if world.is_main:
-        store.finish_run(rid, status="completed")
+        store.finish_run(rid, status="diverged" if diverged else "completed")
+        if diverged and progress:
+            print(diverged_line(store, rid), flush=True)
     return rid
 
 

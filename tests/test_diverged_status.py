@@ -1,0 +1,47 @@
+"""A diverged run (non-finite loss or gradient norm) ends with status "diverged", not "completed" (issue 15,
+section 3): the store, ``runs list``, the printed localisation line, the judge, the baseline builder and resume.
+Oracle: the injected fault of ``_faulty_tasks.overflow_at`` (batch 3: logged step 4, module ``layers.1.amp``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lowprec.cli import main
+from lowprec.runs._baseline import RunData, build_baseline
+from lowprec.runs._config import RunConfig
+from lowprec.runs._judge import judge
+from lowprec.runs._runner import resume_run, run_config
+from lowprec.runs._store import RunStore
+
+
+def _cfg(tmp_path: Path, step: int, seeds: tuple[int, ...] = (0,)) -> RunConfig:
+    return RunConfig(model="_faulty_tasks:overflow_at", steps=8, eval_interval=4, seeds=seeds, threads=1,
+                     model_options={"step": step}, store=str(tmp_path / "runs.db"))
+
+
+def test_a_diverged_run_is_diverged_everywhere(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with RunStore(tmp_path / "runs.db") as store:
+        base = run_config(_cfg(tmp_path, 10**6, seeds=(1, 2)), store=store, progress=False)
+        (rid,) = run_config(_cfg(tmp_path, 3), store=store, progress=True)
+        out = capsys.readouterr().out
+        assert [store.get_run(r).status for r in base] == ["completed", "completed"]
+        assert store.get_run(rid).status == "diverged" and store.get_run(rid).finished_at is not None
+        assert [r.run_id for r in store.list_runs(status="diverged")] == [rid]
+        # the localisation line: module, role, step
+        (line,) = [x for x in out.splitlines() if x.startswith(f"run {rid} diverged")]
+        assert "at step 4" in line and "output of module 'layers.1.amp'" in line, line
+        runs = [RunData.from_store(store, r) for r in base]
+        verdict = judge(build_baseline("ref", runs), [RunData.from_store(store, rid)])
+        by_name = {r.name: r for r in verdict.results}
+        assert by_name["divergence"].outcome == "fail" and not verdict.passed
+        assert "status diverged" in by_name["completion"].reason
+        with pytest.raises(ValueError, match="takes completed runs only"):
+            build_baseline("bad", [*runs, RunData.from_store(store, rid)])
+        with pytest.raises(ValueError, match=f"run {rid} .* is diverged: there is nothing to resume"):
+            resume_run(rid, store=store, progress=False)
+        assert store.check().ok
+    assert main(["runs", "list", "--store", str(tmp_path / "runs.db"), "--status", "diverged"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == 2 and listed[1].startswith(f"{rid}  diverged "), listed
