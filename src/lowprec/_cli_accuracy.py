@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,12 @@ def cmd_baselines(args: argparse.Namespace) -> int:
         elif args.action == "export":
             b = Baseline.from_dict(store.get_baseline(args.name))
             print(f"wrote {b.save_json(args.file)}")
+        elif args.action == "delete":
+            seeds = store.get_baseline(args.name, verify=False).get("seeds", [])
+            ids = [str(s.get("run_id")) for s in seeds if isinstance(s, dict) and s.get("run_id")]
+            store.delete_baseline(args.name)
+            print(f"deleted baseline {args.name!r}; its {len(ids)} seed runs stay in the store"
+                  + (f" (lowprec runs delete {' '.join(ids)} removes them)" if ids else ""))
         else:  # import
             b = Baseline.load_json(args.file)
             name = args.name or b.name
@@ -78,9 +85,12 @@ def cmd_baselines(args: argparse.Namespace) -> int:
 def _judged(args: argparse.Namespace) -> tuple[Any, list[Any], list[Any]]:
     from .runs._workflow import judge_groups, load_baseline, select_runs
 
+    left_out: list[str] = []
     with open_store(store_path(args), create=False) as store:
         baseline = load_baseline(store, args.baseline)
-        runs = select_runs(store, args.runs)
+        runs = select_runs(store, args.runs, latest=args.latest, left_out=left_out)
+    for line in left_out:
+        print(line, file=sys.stderr)
     return baseline, runs, judge_groups(baseline, runs)
 
 
@@ -156,7 +166,7 @@ def add_parsers(sub: Any) -> None:
     add_store_arg(b)
     b.set_defaults(func=cmd_baseline)
 
-    bl = sub.add_parser("baselines", help="list, export or import baselines (JSON golden files)")
+    bl = sub.add_parser("baselines", help="list, export, import or delete baselines (JSON golden files)")
     bs = bl.add_subparsers(dest="action", metavar="ACTION", required=True)
     p = bs.add_parser("list", help="the stored baselines")
     add_store_arg(p)
@@ -164,6 +174,10 @@ def add_parsers(sub: Any) -> None:
     p = bs.add_parser("export", help="write a stored baseline to a JSON file")
     p.add_argument("name")
     p.add_argument("file", metavar="FILE.json")
+    add_store_arg(p)
+    p.set_defaults(func=cmd_baselines)
+    p = bs.add_parser("delete", help="delete a stored baseline (its seed runs stay; lowprec runs delete removes them)")
+    p.add_argument("name")
     add_store_arg(p)
     p.set_defaults(func=cmd_baselines)
     p = bs.add_parser("import", help="store a baseline read from a JSON file")
@@ -190,6 +204,9 @@ def add_parsers(sub: Any) -> None:
                        help="a stored baseline's name or a baseline JSON file")
         c.add_argument("runs", nargs="+", metavar="RUN_OR_GROUP",
                        help="run ids (or unique prefixes) or group names; each group is judged on its own")
+        c.add_argument("--latest", action="store_true",
+                       help="where a group holds one seed more than once (the same command run twice), judge the "
+                            "newest completed run of that seed (the others are named on stderr)")
         add_store_arg(c)
         if cmd == "compare":
             c.add_argument("--json", action="store_true", help="print the verdicts as JSON")

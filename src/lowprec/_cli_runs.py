@@ -115,6 +115,68 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _built_from(store: Any) -> dict[str, list[str]]:
+    """Run id -> the stored baselines built from it."""
+    out: dict[str, list[str]] = {}
+    for name in store.list_baselines():
+        for seed in store.get_baseline(name, verify=False).get("seeds", []):
+            if isinstance(seed, dict) and isinstance(seed.get("run_id"), str):
+                out.setdefault(seed["run_id"], []).append(name)
+    return out
+
+
+def cmd_runs_delete(args: argparse.Namespace) -> int:
+    """``lowprec runs delete RUN_ID... [--yes] [--force]``: the runs' rows, checkpoint folders and launch configs.
+    Refused (nothing deleted): a run a live process still writes, a run a stored baseline is built from (unless
+    --force), and, without --yes, a stdin that is not a terminal (nobody can confirm)."""
+    import shutil
+    import socket as _socket
+    import sys as _sys
+    import time as _time
+
+    from .runs._checkpoint import checkpoint_dir
+
+    with open_store(store_path(args), create=False) as store:
+        records: dict[str, Any] = {}
+        for ident in args.run_ids:
+            rec = store.get_run(ident, verify=False)  # a corrupt run can still be deleted
+            records.setdefault(rec.run_id, rec)
+        used = _built_from(store)
+        for rec in records.values():
+            if rec.status == "running":
+                where = (f"process {rec.pid} on this host" if rec.hostname == _socket.gethostname() else
+                         f"process {rec.pid} on host {rec.hostname}, which cannot be checked from here")
+                if rec.hostname == _socket.gethostname() or not args.force:
+                    raise ValueError(f"run {rec.run_id} ({rec.name}) is running ({where}); stop it first"
+                                     + ("" if rec.hostname == _socket.gethostname() else
+                                        ", or pass --force if that process is gone"))
+            if rec.run_id in used and not args.force:
+                names = ", ".join(repr(n) for n in used[rec.run_id])
+                raise ValueError(f"run {rec.run_id} ({rec.name}) is a seed run of baseline {names}; delete the "
+                                 f"baseline first (lowprec baselines delete NAME) or pass --force to delete the run "
+                                 "anyway (the baseline keeps its summary, its over-time charts lose this run)")
+        files = {rid: [p for p in (checkpoint_dir(store.path, rid), store.path.parent / "launch" / f"{rid}.json")
+                       if p.exists()] for rid in records}
+        print(f"{'deleting' if args.yes else 'would delete'} {len(records)} run(s) from {store.path}:")
+        for rid, rec in records.items():
+            when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(rec.created_at))
+            print(f"  {rid}  {rec.status:<9} created {when}  {rec.name}"
+                  + "".join(f"\n    and {p}" for p in files[rid]))
+        if not args.yes:
+            if not _sys.stdin.isatty():
+                raise ValueError("stdin is not a terminal, so nobody can confirm: pass --yes to delete these runs")
+            if input(f"delete {len(records)} run(s)? [y/N] ").strip().lower() not in ("y", "yes"):
+                print("nothing deleted")
+                return 1
+        for rid in records:
+            _, n_s, n_e = store.delete_run(rid)
+            for p in files[rid]:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            print(f"deleted run {rid} ({n_s} scalar rows, {n_e} events"
+                  + (f", {len(files[rid])} file(s)/folder(s)" if files[rid] else "") + ")")
+    return 0
+
+
 def cmd_runs_show(args: argparse.Namespace) -> int:
     with open_store(store_path(args), create=False) as store:
         rec = store.get_run(args.run_id)
@@ -236,6 +298,13 @@ def add_parsers(sub: Any) -> None:
                      help="only runs with this status")
     add_store_arg(lst)
     lst.set_defaults(func=cmd_runs_list)
+    dl = rs.add_parser("delete", help="delete runs: their rows, checkpoints and launch configs (asks first)")
+    dl.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="run ids or unique prefixes")
+    dl.add_argument("--yes", action="store_true", help="do not ask (needed when stdin is not a terminal)")
+    dl.add_argument("--force", action="store_true",
+                    help="also delete a run a stored baseline is built from, or one marked running on another host")
+    add_store_arg(dl)
+    dl.set_defaults(func=cmd_runs_delete)
     show = rs.add_parser("show", help="one run: config, manifest, last values, events")
     show.add_argument("run_id", metavar="RUN_ID", help="run id or a unique prefix of it")
     add_store_arg(show)

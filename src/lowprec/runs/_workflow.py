@@ -8,15 +8,17 @@ same way.  Candidates are judged per group (one group = one experiment arm: one 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ._baseline import Baseline, RunData, build_baseline
 from ._config import RunConfig
 from ._judge import Verdict, judge
 from ._runner import run_config
 from ._stats import Criteria
-from ._store import RunStore
+from ._store import RunRecord, RunStore
 
 
 def baseline_group(name: str) -> str:
@@ -53,21 +55,72 @@ def load_baseline(store: RunStore, ref: str) -> Baseline:
     return Baseline.from_dict(store.get_baseline(ref))
 
 
-def select_runs(store: RunStore, selectors: Sequence[str]) -> list[RunData]:
-    """Runs named by group (every run of the group) or by run id / unique id prefix, without duplicates."""
+def select_runs(store: RunStore, selectors: Sequence[str], *, latest: bool = False,
+                left_out: list[str] | None = None) -> list[RunData]:
+    """Runs named by group (every run of the group) or by run id / unique id prefix, without duplicates.
+
+    A group must hold each seed once (the same command run twice gives two runs of one seed: one sample, not
+    two).  Otherwise ``ValueError`` names every clashing run with its creation time and status and the two ways
+    out: ``lowprec runs delete RUN_ID...``, or ``latest=True`` (``--latest``), which keeps the newest completed
+    run of each seed (the newest run when none completed) and appends to ``left_out`` a line per run left out."""
     if not selectors:
         raise ValueError("name at least one run id or group to judge")
-    seen: dict[str, RunData] = {}
+    records: dict[str, RunRecord] = {}
     for sel in selectors:
         group = store.list_runs(group=sel)
-        ids = [r.run_id for r in reversed(group)] if group else [store.get_run(sel).run_id]
-        for rid in ids:
-            seen.setdefault(rid, RunData.from_store(store, rid))
-    return list(seen.values())
+        for rec in reversed(group) if group else [store.get_run(sel)]:
+            records.setdefault(rec.run_id, rec)
+    clashes = _seed_clashes(list(records.values()))
+    if clashes and not latest:
+        raise ValueError(_clash_message(clashes))
+    for runs in clashes:
+        keep = max(runs, key=lambda r: (r.status == "completed", r.created_at))
+        for r in runs:
+            if r is not keep:
+                del records[r.run_id]
+                if left_out is not None:
+                    left_out.append(f"--latest: left out run {r.run_id} ({_when(r.created_at)}, {r.status}): "
+                                    f"seed {_seed(r)!r} of group {r.group or r.run_id!r} is judged from run "
+                                    f"{keep.run_id} ({_when(keep.created_at)}, {keep.status})")
+    return [RunData.from_store(store, rid) for rid in records]
+
+
+def _seed(run: RunRecord | RunData) -> Any:
+    return run.manifest.get("seed")
+
+
+def _when(t: float | None) -> str:
+    return "created ?" if t is None else "created " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+_Run = TypeVar("_Run", RunRecord, RunData)
+
+
+def _seed_clashes(runs: Sequence[_Run]) -> list[list[_Run]]:
+    """Runs of one group that share a seed, per (group, seed), in order of first appearance."""
+    by_seed: dict[tuple[str, str], list[_Run]] = {}
+    for r in runs:
+        by_seed.setdefault((r.group or r.run_id, repr(_seed(r))), []).append(r)
+    return [rs for rs in by_seed.values() if len(rs) > 1]
+
+
+def _clash_message(clashes: Sequence[Sequence[RunRecord | RunData]]) -> str:
+    parts = []
+    for runs in clashes:
+        shown = ", ".join(f"{r.run_id} ({_when(r.created_at)}, {r.status})" if
+                          isinstance(r, RunRecord) else f"{r.run_id} ({r.status})" for r in runs)
+        parts.append(f"group {runs[0].group or runs[0].run_id!r} has {len(runs)} runs of seed {_seed(runs[0])!r}: "
+                     f"{shown}")
+    return ("; ".join(parts) + "; one seed run twice is one sample, not two: delete the runs you do not want "
+            "(lowprec runs delete RUN_ID...) or pass --latest to judge the newest completed run of each seed")
 
 
 def judge_groups(baseline: Baseline, runs: Sequence[RunData]) -> list[Verdict]:
-    """One verdict per group of ``runs`` (in order of first appearance)."""
+    """One verdict per group of ``runs`` (in order of first appearance); ``ValueError`` naming the runs when a
+    group holds one seed twice (``select_runs(latest=True)`` keeps the newest completed run of each)."""
+    clashes = _seed_clashes(list(runs))
+    if clashes:
+        raise ValueError(_clash_message(clashes))
     groups: dict[str, list[RunData]] = {}
     for r in runs:
         groups.setdefault(r.group or r.run_id, []).append(r)
