@@ -4,6 +4,7 @@ Oracle: the injected fault of ``_faulty_tasks.overflow_at`` (batch 3: logged ste
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,20 @@ def test_a_diverged_run_is_diverged_everywhere(tmp_path: Path, capsys: pytest.Ca
     assert main(["runs", "list", "--store", str(tmp_path / "runs.db"), "--status", "diverged"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert len(listed) == 2 and listed[1].startswith(f"{rid}  diverged "), listed
+
+
+def test_a_diverged_jax_run_is_diverged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A JAX run whose learning rate (1e38) blows the loss up at step 2: status diverged, and the line says that
+    no localisation was recorded (JAX runs do not replay the step)."""
+    pytest.importorskip("jax")
+    cfg = RunConfig(model="mlp-digits", framework="jax", steps=6, eval_interval=3, threads=1, seeds=(0,),
+                    store=str(tmp_path / "runs.db"))
+    cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, lr=1e38))
+    with RunStore(cfg.store) as store:
+        (rid,) = run_config(cfg, store=store, progress=True)
+        assert store.get_run(rid).status == "diverged"
+        (ev,) = store.events(rid, kind="diverged")
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith(f"run {rid} diverged")]
+    assert line == [f"run {rid} diverged at step {ev['step']} (loss {ev['payload']['loss']}, grad norm "
+                    f"{ev['payload']['grad_norm']}): no localisation recorded (JAX runs, and a non-finite value "
+                    "outside the replayed step)"]

@@ -48,7 +48,7 @@ class RunData:
     name: str
     group: str | None
     status: str
-    """"running" | "completed" | "failed"."""
+    """"running" | "completed" | "diverged" | "failed"."""
     config: dict
     """Resolved RunConfig as plain data: ``config["model"]``, ``config["steps"]``."""
     manifest: dict

@@ -90,15 +90,15 @@ def launch(config: RunConfig, *, seed: int, batch_size: int, store: RunStore, re
     env = dict(os.environ, OMP_NUM_THREADS=str(config.threads or os.environ.get("OMP_NUM_THREADS", "1")))
     rc, received = run_torchrun(cmd, env)
     rec = _find(store, run_id)
-    if rec is not None and rec.status == "completed" and (rc == 0 or received):
-        return run_id  # finished before a signal could stop it
+    if rec is not None and rec.status in ("completed", "diverged") and (rc == 0 or received):
+        return run_id  # finished (a diverged run is a result too) before a signal could stop it
     interrupted = (f"interrupted by {signal.Signals(received[0]).name} (forwarded to torchrun's process group)"
                    if received else None)
     if rec is None:
         raise RunFailed(f"run {run_id} failed: " + (interrupted or f"torchrun exited with status {rc}") +
                         " before the run was recorded (see the workers' output above)")
     reason = interrupted or _failure_reason(store, run_id, rec.error, rc)
-    if rec.status != "completed":
+    if rec.status not in ("completed", "diverged"):
         store.finish_run(run_id, status="failed", error=reason)  # not this object's claim: revokes the attempt
     raise RunFailed(f"run {run_id} failed: {reason}")
 
