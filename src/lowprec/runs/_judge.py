@@ -2,7 +2,8 @@
 
 Criteria (parameters in ``Criteria``, declared with the baseline; methodology in ``docs/accuracy.md``):
 
-* ``completion``: every candidate finished (status "completed") and logged the baseline's number of steps.
+* ``completion``: every candidate finished (status "completed", or "diverged", which ``divergence`` FAILs) and
+  logged the baseline's number of steps.
 * ``divergence``: no candidate has a non-finite training loss or eval metric, a "nonfinite"/"diverged" event, or a
   loss spike (``_stats.find_spike``); a FAIL names the run and the first such step, and, when the runner localised
   the failure (a "nonfinite" event), the module, tensor role, step and values of the first non-finite tensor.
