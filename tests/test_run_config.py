@@ -75,7 +75,8 @@ def test_resolve_fills_only_missing_fields() -> None:
         ("model = 'm'\n[optimizer]\nlr = nan\n", ["optimizer.lr"]),
         ("model = 'm'\n[optimizer]\nmomentun = 0.9\n", ["optimizer: unknown key(s) ['momentun']", "momentum"]),
         ("model = 'm'\n[schedule]\nname = 'step'\n", ["schedule.name must be one of", "cosine"]),
-        ("model = 'm'\n[parallel]\nstrategy = 'pp'\n", ["parallel.strategy must be one of 'single', 'ddp', 'fsdp2', 'hsdp'"]),
+        ("model = 'm'\n[parallel]\nstrategy = 'pp'\n",
+         ["parallel.strategy must be one of 'single', 'ddp', 'fsdp2', 'hsdp'"]),
         ("model = 'm'\n[parallel]\nworld_size = 2\n", ["parallel.world_size must be an integer in [1, 1]"]),
         ("model = 'm'\n[parallel]\nstrategy = 'hsdp'\nworld_size = 4\nmesh_shape = [2, 3]\n",
          ["parallel.mesh_shape [2, 3] has 6 ranks", "world_size is 4"]),
@@ -117,3 +118,74 @@ def test_schedule_by_hand() -> None:
     lin = dataclasses.replace(s, name="linear", warmup_steps=0)
     assert math.isclose(lin.lr_at(5, lr=2.0, steps=11), 2.0 - 1.8 * 0.5)
     assert ScheduleConfig(name="constant", warmup_steps=0).lr_at(7, lr=0.3, steps=10) == 0.3
+
+
+# -- checks before work (issue 15, section 5) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "text, needles",
+    [
+        ("model = 'm'\nsteps = 1000000000000000\n", ["steps must be at most 1_000_000_000", "typo"]),
+        ("model = 'm'\neval_interval = 10000000000\n", ["eval_interval must be at most"]),
+        ("model = 'm'\n[schedule]\nwarmup_steps = 10000000000\n", ["schedule.warmup_steps must be an integer in"]),
+        ("model = 'm'\n[checkpoint]\ninterval = 10000000000\n", ["checkpoint.interval must be an integer in"]),
+    ],
+)
+def test_absurd_step_counts_are_refused(text: str, needles: list[str]) -> None:
+    """Oracle: MAX_STEPS = 10**9, named in the message with why (a typo, not a run)."""
+    from lowprec.runs._config import MAX_STEPS
+
+    assert MAX_STEPS == 10**9
+    with pytest.raises(ValueError) as e:
+        RunConfig.from_toml(text, where="cfg.toml")
+    for n in needles:
+        assert n in str(e.value), (n, str(e.value))
+    assert RunConfig.from_toml("model = 'm'\nsteps = 1000000000\n").steps == MAX_STEPS  # the bound itself is fine
+
+
+def test_a_declared_warmup_above_steps_is_refused_but_stored_configs_still_read(tmp_path) -> None:
+    """Oracle: the schedule (``lr_at`` would stay below ``lr`` for the whole run).  A config file (TOML or JSON)
+    with warmup_steps > steps is refused naming both; warmup_steps == steps is fine; ``RunConfig.from_dict`` of such
+    a config still works (stored runs resolved with a task's longer default warm-up must read back and resume)."""
+    p = tmp_path / "c.toml"
+    p.write_text("model = 'm'\nsteps = 20\n[schedule]\nwarmup_steps = 50\n")
+    with pytest.raises(ValueError, match=r"c.toml: schedule.warmup_steps = 50 is more than steps = 20.*<= 20"):
+        load(p)
+    j = tmp_path / "c.json"
+    j.write_text('{"model": "m", "steps": 20, "schedule": {"warmup_steps": 50}}')
+    with pytest.raises(ValueError, match="warmup_steps = 50 is more than steps = 20"):
+        load(j)
+    p.write_text("model = 'm'\nsteps = 20\n[schedule]\nwarmup_steps = 20\n")
+    assert load(p).schedule.warmup_steps == 20
+    stored = RunConfig.from_dict({"model": "m", "steps": 20, "schedule": {"warmup_steps": 50}})
+    assert stored.schedule.warmup_steps == 50
+
+
+def test_what_if_without_sampling_is_refused_in_a_config_file(tmp_path) -> None:
+    """Oracle: the runner samples statistics only with stats.every (or a recipe fallback): a what-if table
+    without it would silently measure nothing."""
+    p = tmp_path / "c.toml"
+    p.write_text("model = 'm'\n[stats]\nwhat_if = {m = 'mxfp4'}\n")
+    with pytest.raises(ValueError, match=r"stats.what_if \['m'\] is measured only when .*stats.every = N"):
+        load(p)
+    p.write_text("model = 'm'\n[stats]\nevery = 5\nwhat_if = {m = 'mxfp4'}\n")
+    assert load(p).stats.what_if == {"m": "mxfp4"}
+
+
+def test_a_recipe_pasted_at_the_top_level_gets_a_hint_to_use_a_recipe_table() -> None:
+    """Oracle: ``lowprec recipes --show`` output (Recipe.to_toml) pasted under a model line: the unknown-key error
+    names the recipe fields and says to put them under [recipe]; the same text under [recipe] parses to the
+    recipe."""
+    pasted = recipes.get("mxfp8").to_toml()
+    with pytest.raises(ValueError) as e:
+        RunConfig.from_toml("model = 'm'\n" + pasted, where="cfg.toml")
+    msg = str(e.value)
+    assert "unknown key(s)" in msg and "are fields of a recipe" in msg and "[recipe]" in msg, msg
+    assert "'linear'" in msg.split("are fields of a recipe")[0].rsplit(";", 1)[1]
+    nested = "\n".join(("[recipe." + ln[1:]) if ln.startswith("[") else ln for ln in pasted.splitlines())
+    top, _, rest = nested.partition("\n[recipe.")
+    cfg = RunConfig.from_toml("model = 'm'\n[recipe]\n" + top + "\n[recipe." + rest)
+    assert cfg.recipe == recipes.get("mxfp8")
+    with pytest.raises(ValueError) as e:  # an unknown key that is no recipe field gets no hint
+        RunConfig.from_toml("model = 'm'\nstep = 3\n")
+    assert "recipe" not in str(e.value).split("allowed")[0]

@@ -44,6 +44,10 @@ SCHEDULES = ("constant", "cosine", "linear")
 STRATEGIES = ("single", "ddp", "fsdp2", "hsdp")
 BACKENDS = ("auto", "gloo", "nccl")
 FRAMEWORKS = ("torch", "jax")
+MAX_STEPS = 10**9
+"""Upper bound of ``steps`` (and of the other step counts): a billion optimizer steps is weeks at a millisecond a
+step and years at the emulated GEMMs' pace, and every step stores a row per scalar; a larger value (``1e15``) is a
+typo, refused before any work rather than failing in the store or never ending."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,7 +96,7 @@ class ScheduleConfig:
     def __post_init__(self) -> None:
         check_choice(self.name, "schedule.name", SCHEDULES)
         if self.warmup_steps is not None:
-            check_int(self.warmup_steps, "schedule.warmup_steps", 0)
+            check_int(self.warmup_steps, "schedule.warmup_steps", 0, MAX_STEPS)
         check_float(self.min_lr_ratio, "schedule.min_lr_ratio", 0.0, 1.0)
 
     def lr_at(self, step: int, *, lr: float, steps: int) -> float:
@@ -155,7 +159,7 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints of a run."""
 
     def __post_init__(self) -> None:
-        check_int(self.interval, "checkpoint.interval", 0)
+        check_int(self.interval, "checkpoint.interval", 0, MAX_STEPS)
         check_int(self.keep, "checkpoint.keep", 1)
 
 
@@ -171,7 +175,7 @@ class StatsConfig:
 
     def __post_init__(self) -> None:
         if self.every is not None:
-            check_int(self.every, "stats.every", 1)
+            check_int(self.every, "stats.every", 1, MAX_STEPS)
         if not isinstance(self.what_if, dict):
             raise ValueError(f"stats.what_if must be a table of name = spec; got {self.what_if!r}")
         from ..quant import QuantSpec
@@ -244,9 +248,16 @@ class RunConfig:
             check_int(s, f"seeds[{i}]", 0, 2**31 - 1)
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct; got {list(self.seeds)}")
-        for field in ("steps", "batch_size", "eval_interval"):
-            if getattr(self, field) is not None:
-                check_int(getattr(self, field), field, 1)
+        for field in ("steps", "eval_interval"):
+            v = getattr(self, field)
+            if v is not None:
+                check_int(v, field, 1)
+                if v > MAX_STEPS:
+                    raise ValueError(f"{field} must be at most {MAX_STEPS:_} (10**9); got {v:_}: a billion steps "
+                                     "is already weeks of training, and each step stores its scalars, so this is "
+                                     "most likely a typo")
+        if self.batch_size is not None:
+            check_int(self.batch_size, "batch_size", 1)
         if not isinstance(self.recipe, Recipe):
             raise ValueError(f"recipe must be a lowprec.Recipe; got {type(self.recipe).__name__}")
         if not isinstance(self.store, str) or not self.store:
@@ -318,9 +329,28 @@ class RunConfig:
         return cls.from_dict(parse_toml(text, where=where), where=where)
 
 
+def check_declared(config: RunConfig, *, where: str | None = None) -> None:
+    """The checks of a config as a user declares it (a config file, the command line), on top of the field checks
+    every ``RunConfig`` passes: a ``schedule.warmup_steps`` above ``steps`` (the learning rate would never reach
+    ``optimizer.lr``: the whole run would be warm-up), and a ``stats.what_if`` table without ``stats.every`` (it
+    would measure nothing) are refused.  Not ``RunConfig`` invariants: runs stored before these checks (a short
+    ``steps`` with a task's longer default warm-up) must still read back and resume."""
+    msg = None
+    warm = config.schedule.warmup_steps
+    if config.steps is not None and warm is not None and warm > config.steps:
+        msg = (f"schedule.warmup_steps = {warm} is more than steps = {config.steps}: the learning rate would never "
+               f"reach optimizer.lr (the whole run would be warm-up); set warmup_steps <= {config.steps} or raise "
+               "steps")
+    elif config.stats.what_if and config.stats.every is None and config.recipe.fallback is None:
+        msg = (f"stats.what_if {sorted(config.stats.what_if)} is measured only when statistics are sampled, and "
+               "stats.every is not set: add stats.every = N (sample every N steps)")
+    if msg:
+        raise ValueError(f"{where}: {msg}" if where else msg)
+
+
 def load(path: str | Path) -> RunConfig:
     """Read and validate a run config file: TOML, or JSON when the name ends in ``.json`` (the form
-    ``RunConfig.to_json`` writes and ``python -m lowprec.train`` reads)."""
+    ``RunConfig.to_json`` writes and ``python -m lowprec.train`` reads), with ``check_declared``."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -329,8 +359,11 @@ def load(path: str | Path) -> RunConfig:
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read config file {str(p)!r}: {e}") from None
     if p.suffix.lower() == ".json":
-        return RunConfig.from_dict(parse_json(text, where=str(p)), where=str(p))
-    return RunConfig.from_toml(text, where=str(p))
+        config = RunConfig.from_dict(parse_json(text, where=str(p)), where=str(p))
+    else:
+        config = RunConfig.from_toml(text, where=str(p))
+    check_declared(config, where=str(p))
+    return config
 
 
 def _table(cls: type, value: Any, field: str) -> Any:
@@ -361,7 +394,13 @@ def _from_dict(data: dict[str, Any]) -> RunConfig:
     allowed = {f.name for f in dataclasses.fields(RunConfig)} | {"seed"}
     extra = sorted(set(data) - allowed)
     if extra:
-        raise ValueError(f"unknown key(s) {extra}; allowed: {sorted(allowed)}")
+        recipe_keys = sorted(set(extra) & {f.name for f in dataclasses.fields(Recipe)})
+        hint = ""
+        if recipe_keys:
+            hint = (f"; {recipe_keys} are fields of a recipe (pasted from lowprec recipes --show?): put the recipe "
+                    "under a [recipe] table ([recipe] for its top-level keys, [recipe.linear...] for its "
+                    "[linear...] tables), or write recipe = \"NAME\", or pass --recipe FILE.toml")
+        raise ValueError(f"unknown key(s) {extra}; allowed: {sorted(allowed)}{hint}")
     if "model" not in data:
         raise ValueError("model is required: a zoo task name or 'package.module:function'")
     if "seed" in data:
