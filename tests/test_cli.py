@@ -73,8 +73,8 @@ def test_version_and_help() -> None:
     """Oracle: lowprec.__version__ and argparse's usage line."""
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"lowprec {lowprec.__version__}"
-    r = call("--help")
-    assert r.returncode == 0 and "formats" in r.stdout and "demo" in r.stdout
+    h = call("--help")
+    assert h.returncode == 0 and "formats" in h.stdout and "demo" in h.stdout
 
 
 def test_user_errors_exit_2_without_traceback() -> None:
@@ -83,9 +83,9 @@ def test_user_errors_exit_2_without_traceback() -> None:
     r = run_cli("quant-demo", "--seed", "-1")
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("lowprec: error:"), r.stderr
     for args in (("demo", "--steps", "0"), ("nonsense",), ()):
-        r = call(*args)
-        assert r.returncode == 2, (args, r.returncode, r.stderr)
-        assert "Traceback" not in r.stderr
+        c = call(*args)
+        assert c.returncode == 2, (args, c.returncode, c.stderr)
+        assert "Traceback" not in c.stderr
 
 
 def test_quant_demo_prints_every_spec_and_the_stochastic_rounding_example() -> None:
@@ -108,3 +108,34 @@ def test_recipes_lists_every_recipe_and_shows_one_as_loadable_toml() -> None:
     assert lowprec.Recipe.from_toml(r.stdout) == lowprec.recipes.get("fp8-delayed")
     r = call("recipes", "--show", "no-such-recipe")
     assert r.returncode == 2 and "valid names" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_progress_without_a_terminal_prints_at_a_steady_interval(monkeypatch) -> None:
+    """Oracle: a fake clock.  Without a terminal a line comes every 10% of the steps or every ``interval_s``
+    seconds, whichever is first: at 5 s a step and 30 s, every 6th step (not only every 100th of 1000); at 0.01 s a
+    step, every 10%.  Each line has step/total, the rate and the loss; ``note`` prints one line of its own."""
+    import io
+
+    from lowprec.runs import _progress
+
+    clock = [0.0]
+    monkeypatch.setattr(_progress.time, "perf_counter", lambda: clock[0])
+    for dt, total, expect in ((5.0, 1000, [6 * k for k in range(1, 9)]), (0.01, 100, [10, 20, 30, 40, 50])):
+        clock[0] = 0.0
+        out = io.StringIO()
+        bar = _progress.Progress("run seed 0", total, stream=out)
+        assert bar.interval_s == _progress.INTERVAL_S == 30.0
+        bar.note("compiling the JAX step (first step)...")
+        for step in range(1, 51):
+            clock[0] += dt
+            bar.update(step, loss=1.0 / step)
+        lines = out.getvalue().splitlines()
+        assert lines[0] == "run seed 0: compiling the JAX step (first step)..."
+        steps = [int(ln.split("] ")[1].split("/")[0]) for ln in lines[1:]]
+        assert steps == expect, (dt, steps)
+        assert f"{expect[0]}/{total} " in lines[1] and "it/s" in lines[1] and f"loss {1.0 / expect[0]:.4g}" in lines[1]
+    quiet = io.StringIO()
+    bar = _progress.Progress("x", 10, stream=quiet, enabled=False)
+    bar.note("hidden")
+    bar.update(10, loss=1.0)
+    assert quiet.getvalue() == ""

@@ -239,6 +239,10 @@ def _step_values(task: Task, loss: float, norm: float, lr: float, dt: float) -> 
             "train/samples_per_s": task.samples_per_step / dt}
 
 
+_ANNOUNCED: set[int] = set()
+"""``id`` of each ``_compile`` result whose first-step compilation was announced (they live in its cache)."""
+
+
 def _loop(config: RunConfig, task: Task, fns: _Compiled, rid: str, store: RunStore, tree: TrainState, step: int,
           bar: Progress) -> bool:
     """Train from ``step`` (the state ``tree`` after it) to ``config.steps``, logging and checkpointing; True when
@@ -246,6 +250,9 @@ def _loop(config: RunConfig, task: Task, fns: _Compiled, rid: str, store: RunSto
     params, states, opt_state = tree
     steps, every, lr0 = config.steps or 0, config.eval_interval or 1, config.optimizer.lr or 0.0
     interval = config.checkpoint.interval
+    if step < steps and id(fns) not in _ANNOUNCED:  # XLA compiles the step on its first call: say so, once
+        _ANNOUNCED.add(id(fns))
+        bar.note("compiling the JAX step (first step)...")
     while step < steps:
         lr = config.schedule.lr_at(step, lr=lr0, steps=steps)
         t0 = time.perf_counter()

@@ -1,4 +1,6 @@
-"""A dependency-free progress bar on stderr: redrawn in place on a terminal, a line every 10% otherwise."""
+"""A dependency-free progress bar on stderr: redrawn in place on a terminal; otherwise (a log file, CI, a pipe)
+one line every 10% of the steps or every ``interval_s`` seconds (30 by default), whichever comes first, so a slow
+run still says how far it is."""
 
 from __future__ import annotations
 
@@ -6,19 +8,27 @@ import sys
 import time
 from typing import TextIO
 
+INTERVAL_S = 30.0
+"""Without a terminal, the longest time between two progress lines."""
+
 
 class Progress:
-    """``update(step, **values)`` after each step; ``close()`` at the end."""
+    """``update(step, **values)`` after each step; ``note(text)`` for a one-off line; ``close()`` at the end.
+
+    Each line has the step (``step/total``), the rate (steps per second since the start), the time left and the
+    values (``loss``)."""
 
     def __init__(self, label: str, total: int, *, start: int = 0, enabled: bool = True,
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, interval_s: float = INTERVAL_S) -> None:
         self.label, self.total, self.start = label, total, start
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         self.tty = self.enabled and self.stream.isatty()
+        self.interval_s = interval_s
         self.t0 = time.perf_counter()
         self._next_line = start + max(1, total // 10)
         self._last_draw = 0.0
+        self._last_line = self.t0
 
     def update(self, step: int, **values: float) -> None:
         if not self.enabled:
@@ -28,10 +38,19 @@ class Progress:
             self._last_draw = now
             self.stream.write("\r" + self._line(step, now, values) + "\x1b[K")
             self.stream.flush()
-        elif not self.tty and (step >= self._next_line or step == self.total):
+        elif not self.tty and (step >= self._next_line or step == self.total
+                               or now - self._last_line >= self.interval_s):
             self._next_line = step + max(1, self.total // 10)
+            self._last_line = now
             self.stream.write(self._line(step, now, values) + "\n")
             self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """Print ``text`` on a line of its own (on a terminal, above the bar, which the next update redraws)."""
+        if not self.enabled:
+            return
+        self.stream.write(("\r\x1b[K" if self.tty else "") + f"{self.label}: {text}\n")
+        self.stream.flush()
 
     def _line(self, step: int, now: float, values: dict[str, float]) -> str:
         frac = step / max(1, self.total)
