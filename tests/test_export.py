@@ -230,3 +230,33 @@ def test_a_planted_run_id_cannot_make_export_or_resume_write_elsewhere(tmp_path:
     after = sorted(p for p in tmp_path.rglob("*") if not p.name.startswith("runs.db-"))
     assert after == [p for p in before if not p.name.startswith("runs.db-")]  # nothing written anywhere
     assert planted != "/abs/path" or not Path("/abs/path").exists()
+
+
+def test_cli_tensorboard_export_default_logdir_hint_and_overwrite(store: RunStore, run: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Oracle: the file system and the printed command.  The default logdir is ``tb``, the run goes in
+    ``tb/<run id>/`` once (not ``tb/<id>/<id>/``), the hint's ``--logdir`` is that folder (what TensorBoard takes),
+    and a second export is refused naming the CLI's ``--overwrite``, which then replaces the files."""
+    from lowprec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["runs", "export", run[:6], "--format", "tensorboard", "--store", str(store.path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    (event,) = (tmp_path / "tb" / run).glob("events.out.tfevents.*")
+    assert not (tmp_path / "tb" / run / run).exists()
+    assert f"wrote TensorBoard event file tb/{run}/{event.name}" in out and out.rstrip().endswith(
+        "(view: tensorboard --logdir tb)"), out
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "lowprec runs export --overwrite" in err and "overwrite=True in Python" in err, err
+    assert main([*args, "--overwrite"]) == 0
+    capsys.readouterr()
+    assert len(list((tmp_path / "tb" / run).glob("events.out.tfevents.*"))) == 1
+    assert main(["runs", "export", run, "--out", "x.csv", "--overwrite", "--store", str(store.path)]) == 2
+    assert "--overwrite goes with --format tensorboard" in capsys.readouterr().err
+    assert main(["runs", "export", run, "--format", "tensorboard", "--out", "logs", "--store",
+                 str(store.path)]) == 0
+    assert "(view: tensorboard --logdir logs)" in capsys.readouterr().out
+    assert len(list((tmp_path / "logs" / run).glob("events.out.tfevents.*"))) == 1

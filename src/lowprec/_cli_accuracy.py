@@ -35,13 +35,24 @@ def _criteria(path: str | None) -> Any:
         raise ValueError(f"{path}: {e}") from None
 
 
+def baseline_seeds(values: list[int] | None) -> int | tuple[int, ...]:
+    """``baseline --seeds``: none given: 3 (seeds 0, 1, 2); one value N: a count, seeds 0..N-1 (as before lists were
+    accepted); two or more values: the seeds themselves, as ``run --seeds`` takes them."""
+    if not values:
+        return 3
+    if len(values) == 1:
+        return values[0]
+    return tuple(values)
+
+
 def cmd_baseline(args: argparse.Namespace) -> int:
     from .runs._workflow import run_baseline
 
-    config = config_with_overrides(args)
+    seeds = baseline_seeds(args.seeds)
+    config = config_with_overrides(args, apply_seeds=False)
     criteria = _criteria(args.criteria)
     with open_store(config.store) as store:
-        b = run_baseline(config, name=args.name, store=store, seeds=args.seeds, criteria=criteria,
+        b = run_baseline(config, name=args.name, store=store, seeds=seeds, criteria=criteria,
                          overwrite=args.overwrite, progress=not args.quiet)
     print(f"baseline {b.name!r}: {b.model}, {len(b.seeds)} seeds {list(b.seeds)}, {b.steps} steps")
     for metric, values in b.finals.items():
@@ -156,9 +167,12 @@ def add_parsers(sub: Any) -> None:
     b = sub.add_parser("baseline", help="run a config over N seeds and store a named baseline")
     b.add_argument("config", metavar="CONFIG.toml")
     b.add_argument("--name", required=True, help="name of the baseline")
-    b.add_argument("--seeds", type=int, default=3, metavar="N", help="number of seeds, 0..N-1 (default 3)")
+    b.add_argument("--seeds", type=int, nargs="+", metavar="S",
+                   help="one value N: N seeds, 0..N-1 (default 3: seeds 0 1 2); two or more values: those seeds, as "
+                        "for lowprec run (--seeds 5 trains seeds 0-4; --seeds 5 6 7 trains seeds 5, 6 and 7)")
     b.add_argument("--steps", type=int, help="override the config's steps")
-    b.add_argument("--recipe", metavar="NAME", help="reference recipe (default: the config's, else fp32)")
+    b.add_argument("--recipe", metavar="NAME|FILE",
+                   help="reference recipe, a built-in name or a recipe file (TOML/JSON) (default: the config's)")
     b.add_argument("--criteria", metavar="FILE", help="acceptance criteria (TOML or JSON table; docs/accuracy.md)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing baseline of that name")
     b.add_argument("--export", metavar="FILE.json", help="also write the baseline as a JSON golden file")

@@ -134,12 +134,13 @@ def _write_outputs(args: argparse.Namespace, recipe: Any) -> list[str]:
 
 
 def cmd_autoprecision(args: argparse.Namespace) -> int:
-    from .numerics._autoprecision import choose_precision, plan_table
+    from .numerics._autoprecision import check_budget, choose_precision, plan_table
     from .numerics._sensitivity import resolve_candidate, sensitivity_table
 
     labels = [resolve_candidate(c.strip())[0] for c in args.candidates.split(",") if c.strip()]
     if args.budget_bits <= 0 or not math.isfinite(args.budget_bits):
         raise ValueError(f"--budget-bits must be a positive number; got {args.budget_bits}")
+    check_budget(args.budget_bits, labels)  # before calibration: no model fits a budget below every candidate
     for path, suffixes in ((args.out, (".toml", ".json")), (args.config_out, (".toml",))):
         if path and Path(path).suffix not in suffixes:
             raise ValueError(f"{path!r} must end in {' or '.join(suffixes)}")

@@ -7,10 +7,17 @@ import dataclasses
 import datetime as _dt
 import json
 import os
+import re
+import shlex
+import socket
 import sys
+from pathlib import Path
 from typing import Any
 
-from .runs._config import DEFAULT_STORE, RunConfig, load
+from .runs._config import DEFAULT_STORE, RunConfig, check_declared, load
+
+TB_LOGDIR = "tb"
+"""Default TensorBoard logdir of ``runs export --format tensorboard``: each run goes in ``tb/<run id>/``."""
 
 
 def store_path(args: argparse.Namespace, config: RunConfig | None = None) -> str:
@@ -30,23 +37,93 @@ def open_store(path: str, *, create: bool = True) -> Any:
     return RunStore(path, create=create)
 
 
-def config_with_overrides(args: argparse.Namespace) -> RunConfig:
-    """The config file, with the command line's --seeds/--steps/--recipe/--store applied."""
+def recipe_arg(ref: str) -> Any:
+    """The ``Recipe`` of ``--recipe REF``: a built-in name (``lowprec recipes``), or a recipe file: TOML, or JSON for
+    ``*.json`` (what ``lowprec autoprecision --out`` and ``lowprec recipes --show`` write), or a run config with a
+    ``[recipe]`` table or ``recipe = "NAME"`` (what ``autoprecision --config-out`` writes): its recipe is taken."""
     from . import recipes
+    from ._parse import parse_json, parse_toml
 
+    if ref in recipes.names():
+        return recipes.get(ref)
+    p = Path(ref)
+    if not p.is_file():
+        if p.suffix.lower() in (".toml", ".json") or os.sep in ref:
+            raise ValueError(f"--recipe {ref!r}: no such recipe file")
+        raise ValueError(f"--recipe {ref!r} is neither a recipe name ({', '.join(recipes.names())}) nor a recipe "
+                         "file (RECIPE.toml or .json, e.g. what lowprec autoprecision --out writes)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--recipe: cannot read recipe file {ref!r}: {e}") from None
+    where = f"recipe file {ref!r}"
+    data = parse_json(text, where=where) if p.suffix.lower() == ".json" else parse_toml(text, where=where)
+    if isinstance(data, dict) and "model" in data and "recipe" in data:  # a run config: take its recipe
+        data, where = data["recipe"], f"{where} (its [recipe] table)"
+        if isinstance(data, str):
+            return recipes.get(data)
+    try:
+        return recipes.Recipe.from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def config_with_overrides(args: argparse.Namespace, *, apply_seeds: bool = True) -> RunConfig:
+    """The config file, with the command line's --seeds (a list, unless ``apply_seeds`` is false: ``baseline``
+    applies its own)/--steps/--recipe/--store applied, checked as a declared config (``check_declared``)."""
     config = load(args.config)
     changes: dict[str, Any] = {}
-    if isinstance(getattr(args, "seeds", None), list):  # `run --seeds S...` (baseline's --seeds is a count)
+    if apply_seeds and getattr(args, "seeds", None) is not None:
         changes["seeds"] = tuple(args.seeds)
     if getattr(args, "steps", None) is not None:
         changes["steps"] = args.steps
     if getattr(args, "recipe", None):
-        changes["recipe"] = recipes.get(args.recipe)
+        changes["recipe"] = recipe_arg(args.recipe)
     changes["store"] = store_path(args, config)
     try:
-        return dataclasses.replace(config, **changes)
+        config = dataclasses.replace(config, **changes)
+        check_declared(config)
     except ValueError as e:
         raise ValueError(f"command line: {e}") from None
+    return config
+
+
+def _resume_command(run_id: str, store: Any) -> str:
+    """The command that continues ``run_id``: ``--store`` is named unless it is where a bare command looks."""
+    default = os.environ.get("LOWPREC_STORE") or DEFAULT_STORE
+    same = os.path.abspath(default) == os.path.abspath(str(store.path))
+    return f"lowprec run --resume {run_id}" + ("" if same else f" --store {shlex.quote(str(store.path))}")
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    """Ctrl-C, SIGTERM/SIGHUP (``cli.Terminated``), or a data-parallel run whose launcher forwarded one."""
+    from .runs._launch import RunFailed
+
+    if isinstance(e, KeyboardInterrupt) or type(e).__name__ == "Terminated":
+        return True
+    return isinstance(e, RunFailed) and "interrupted by" in str(e)
+
+
+def _interrupted_run(store: Any, before: set[str], e: BaseException) -> str | None:
+    """The run this command was training when ``e`` stopped it: the id a data-parallel launcher names in its
+    error, else the one run, not in the store before the command and not completed, that this process created
+    (seeds train one after another, so at most one; the store records each run's creating pid)."""
+    m = re.match(r"run ([0-9a-f]{12}) failed", str(e))
+    if m:
+        return m.group(1)
+    try:
+        mine = [r for r in store.list_runs(verify=False) if r.run_id not in before
+                and r.status not in ("completed", "diverged")
+                and r.pid == os.getpid() and r.hostname == socket.gethostname()]
+    except Exception:  # the hint is a courtesy: never hide the interrupt behind a store error
+        return None
+    return mine[0].run_id if len(mine) == 1 else None
+
+
+def _with_resume_hint(e: BaseException, run_id: str | None, store: Any) -> None:
+    """Attach the resume command to ``e``; ``cli.main`` prints it after the interrupt message."""
+    if run_id is not None:
+        e.lowprec_resume = _resume_command(run_id, store)  # type: ignore[attr-defined]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -58,15 +135,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("--allow-restart goes with --resume RUN_ID")
     if args.resume:
         with open_store(store_path(args), create=False) as store:  # a run to resume lives in an existing store
-            run_id = resume_run(args.resume, store=store, progress=not args.quiet, world_size=args.world_size,
-                                allow_restart=args.allow_restart)
+            run_id = store.get_run(args.resume).run_id
+            try:
+                resume_run(run_id, store=store, progress=not args.quiet, world_size=args.world_size,
+                           allow_restart=args.allow_restart)
+            except BaseException as e:
+                if _is_interrupt(e):
+                    _with_resume_hint(e, run_id, store)
+                raise
             print(f"resumed run {run_id}: {store.get_run(run_id).status}")
         return 0
     if not args.config:
         raise ValueError("give a CONFIG.toml to run (or --resume RUN_ID)")
     config = config_with_overrides(args)
     with open_store(config.store) as store:
-        ids = run_config(config, store=store, progress=not args.quiet)
+        before = {r.run_id for r in store.list_runs(verify=False)}
+        try:
+            ids = run_config(config, store=store, progress=not args.quiet)
+        except BaseException as e:
+            if _is_interrupt(e):
+                _with_resume_hint(e, _interrupted_run(store, before, e), store)
+            raise
         for run_id in ids:
             print(_run_line(store.get_run(run_id), store))
     return 0
@@ -82,18 +171,41 @@ def _last(scalars: dict[str, Any], key: str) -> str:
     return f"{float(scalars[key][1][-1]):.4g}"
 
 
+def _fit(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters (an ellipsis marks the cut), left-aligned in that width."""
+    return (text if len(text) <= width else text[:width - 1] + "…").ljust(width)
+
+
+# runs list: id, status, steps, created (month-day time), framework, recipe, "group seed N", final eval values;
+# 92 characters before the eval values, so two metrics ("accuracy 0.9634  loss 0.1193") fit in 120 columns
+LIST_HEADER = (f"{'id':<12}  {'status':<9} {'steps':>6} {'created':<11} {'fw':<5} {'recipe':<14} "
+               f"{'group, seed':<26}  final eval")
+
+
+def _list_prefix(rec: Any, status: str, steps: str) -> str:
+    recipe = rec.config.get("recipe", {}) if isinstance(rec.config, dict) else {}
+    recipe_name = str(recipe.get("name", "-")) if isinstance(recipe, dict) else str(recipe)
+    framework = str(rec.config.get("framework", "torch")) if isinstance(rec.config, dict) else "-"
+    created = _dt.datetime.fromtimestamp(rec.created_at).strftime("%m-%d %H:%M")
+    seed = rec.manifest.get("seed") if isinstance(rec.manifest, dict) else None
+    tail = f" seed {seed}" if seed is not None else ""
+    who = _fit(str(rec.group or rec.name), max(8, 26 - len(tail))).rstrip() + tail  # the seed is never cut off
+    return (f"{rec.run_id}  {status:<9} {steps:>6} {created:<11} {_fit(framework, 5)} {_fit(recipe_name, 14)} "
+            f"{_fit(who, 26)}  ")
+
+
 def _run_line(rec: Any, store: Any) -> str:
+    """One line of ``runs list`` (and of ``run``'s summary): see ``LIST_HEADER``."""
     from .runs._store import StoreCorrupt
 
     try:
         sc = store.scalars(rec.run_id)
     except StoreCorrupt:
-        return (f"{rec.run_id}  {'CORRUPT':<9} {'-':>6}  {rec.name:<40} stored values do not match their checksums: "
+        return (_list_prefix(rec, "CORRUPT", "-") + "stored values do not match their checksums: "
                 f"lowprec store check --store {store.path}")
-    evals = "  ".join(f"{k[5:]}={_last(sc, k)}" for k in sorted(sc) if k.startswith("eval/"))
+    evals = "  ".join(f"{k[5:]} {_last(sc, k)}" for k in sorted(sc) if k.startswith("eval/"))
     steps = int(sc["train/loss"][0][-1]) if "train/loss" in sc and len(sc["train/loss"][0]) else 0
-    loss = _last(sc, "train/loss")
-    return f"{rec.run_id}  {rec.status:<9} {steps:>6}  {rec.name:<40} train loss {loss}  eval {evals}"
+    return _list_prefix(rec, rec.status, str(steps)) + (evals or "-")
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
@@ -104,15 +216,68 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
         if not runs:
             print("no runs" + (f" in group {args.group!r}" if args.group else ""))
             return 0
-        print(f"{'id':<12}  {'status':<9} {'steps':>6}  {'name':<40} last values")
+        print(LIST_HEADER)
         for rec in runs:
             try:
                 line = _run_line(store.get_run(rec.run_id), store)  # verified record; _run_line flags bad scalars
             except StoreCorrupt:
-                line = (f"{rec.run_id}  {'CORRUPT':<9} {'-':>6}  {rec.name:<40} its record does not match its "
-                        f"checksum: lowprec store check --store {store.path}")
+                line = (_list_prefix(rec, "CORRUPT", "-") + "its record does not match its checksum: "
+                        f"lowprec store check --store {store.path}")
             print(line)
     return 0
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# always shown by `runs show`, default or not; every other config field only when it differs from the default
+_SHOWN = ("steps", "batch_size", "eval_interval", "optimizer.name", "optimizer.lr", "schedule.name",
+          "schedule.warmup_steps", "framework")
+
+
+def compact_config(config: dict[str, Any], width: int = 108) -> list[str]:
+    """The run config as ``key=value`` lines of at most ``width`` characters: the fields of ``_SHOWN`` and every
+    other field whose value differs from ``RunConfig``'s default (the recipe, shown by name and hash elsewhere, and
+    the model, on a line of its own, and the store path are left out), in that order."""
+    defaults = _flat(RunConfig(model="-").to_dict())
+    flat = _flat({k: v for k, v in config.items() if k not in ("recipe", "store", "model")})
+    keys = [k for k in _SHOWN if k in flat] + sorted(k for k in flat if k not in _SHOWN
+                                                      and flat[k] != defaults.get(k, object()))
+    items = [f"{k}={json.dumps(flat[k]) if isinstance(flat[k], str | dict) else flat[k]}" for k in keys]
+    lines, line = [], ""
+    for item in items:
+        if line and len(line) + 2 + len(item) > width:
+            lines.append(line)
+            line = ""
+        line = f"{line}  {item}" if line else item
+    return [*lines, line] if line else lines
+
+
+def config_toml(config: dict[str, Any]) -> str:
+    """The stored (resolved) config as a run config TOML file that ``lowprec run`` reads back: None values are left
+    out (TOML has no null; each such field defaults to None), except ``optimizer.grad_clip``, written as 0 (off)."""
+    from .recipes._serial import dict_to_toml
+
+    def strip(d: dict[str, Any], path: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if v is None and f"{path}{k}" == "optimizer.grad_clip":
+                v = 0.0
+            if isinstance(v, dict):
+                if v:  # an empty table is the default
+                    out[k] = strip(v, f"{path}{k}.")
+            elif v is not None:
+                out[k] = v
+        return out
+
+    return dict_to_toml(strip(config))
 
 
 def _built_from(store: Any) -> dict[str, list[str]]:
@@ -182,20 +347,39 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
         rec = store.get_run(args.run_id)
         sc = store.scalars(rec.run_id)
         events = store.events(rec.run_id)
+    if args.config:
+        print(config_toml(rec.config), end="")
+        return 0
+    m = rec.manifest
     print(f"run {rec.run_id}: {rec.name}")
     print(f"  status   {rec.status}" + (f" ({rec.error})" if rec.error else ""))
     print(f"  group    {rec.group}")
     print(f"  created  {_when(rec.created_at)}   finished {_when(rec.finished_at)}")
     print(f"  model    {rec.config.get('model')}   recipe {rec.config.get('recipe', {}).get('name')} "
-          f"({rec.manifest.get('recipe_hash')})   seed {rec.manifest.get('seed')}")
-    print(f"  data     {rec.manifest.get('data_source')} sha256 {str(rec.manifest.get('data_hash'))[:16]}")
-    versions = rec.manifest.get("versions", {})
+          f"({m.get('recipe_hash')})   seed {m.get('seed')}")
+    for i, line in enumerate(compact_config(rec.config)):
+        print(f"  {'config' if i == 0 else '':<8} {line}")
+    print(f"  {'':<8} (lowprec runs show {rec.run_id} --config: the full config as TOML)")
+    print(f"  data     {m.get('data_source')} sha256 {str(m.get('data_hash'))[:16]}")
+    git = m.get("git")
+    if isinstance(git, dict) and git.get("commit"):
+        print(f"  git      {git['commit']}" + (" (uncommitted changes)" if git.get("dirty") else " (clean)"))
+    else:
+        print("  git      - (not started in a git checkout)")
+    versions = m.get("versions", {})
     print("  versions " + "  ".join(f"{k} {v}" for k, v in versions.items()))
-    print(f"  hardware {rec.manifest.get('hardware', {}).get('cpu')}")
+    hw = m.get("hardware", {})
+    print(f"  hardware {hw.get('cpu')}" + (f"   gpu {hw['gpu']}" if hw.get("gpu") else "")
+          + (f"   device {hw['device']}" if hw.get("device") not in (None, "cpu") else ""))
+    stats = sorted(k for k in sc if k.startswith("stats/"))
     for key in sorted(sc):
         steps, values = sc[key]
-        if len(values):
+        if len(values) and (args.all or not key.startswith("stats/")):
             print(f"  {key:<22} {len(values):>6} points, last {float(values[-1]):.6g} at step {int(steps[-1])}")
+    if stats and not args.all:
+        layers = {k.split("/")[1] for k in stats if k.count("/") >= 3}
+        print(f"  stats    {len(stats)} per-layer statistic keys ({len(layers)} modules): --all lists them, "
+              f"lowprec stats {rec.run_id} ranks the worst")
     for ev in events:
         print(f"  event    step {ev['step']}: {ev['kind']} {json.dumps(ev['payload'])}")
     return 0
@@ -204,11 +388,14 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
 def cmd_runs_export(args: argparse.Namespace) -> int:
     from .runs._export import export_run, export_tensorboard
 
+    if args.overwrite and args.format != "tensorboard":
+        raise ValueError("--overwrite goes with --format tensorboard (csv and json files are replaced anyway)")
     with open_store(store_path(args), create=False) as store:
         run_id = store.get_run(args.run_id).run_id
         if args.format == "tensorboard":
-            out = export_tensorboard(store, run_id, args.out or f"tb/{run_id}")
-            print(f"wrote TensorBoard event files to {out} (tensorboard --logdir {out})")
+            logdir = args.out or TB_LOGDIR
+            out = export_tensorboard(store, run_id, logdir, overwrite=args.overwrite)
+            print(f"wrote TensorBoard event file {out} (view: tensorboard --logdir {shlex.quote(str(logdir))})")
             return 0
         if args.out:
             export_run(store, run_id, fmt=args.format, out=args.out)
@@ -240,6 +427,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
         records = records_from_scalars(store.scalars(rec.run_id))
     if not records:
         raise ValueError(f"run {rec.run_id} has no tensor statistics: set [stats] every = N in its config")
+    if args.what_if is not None:
+        known = sorted({r["what_if"] for r in records if r.get("what_if") is not None})
+        if args.what_if not in known:
+            have = f"its what-if names are {', '.join(known)}" if known else "it measured no what-if specs"
+            raise ValueError(f"--what-if {args.what_if!r}: run {rec.run_id} has no what-if of that name; {have} "
+                             "(the names of its config's [stats] what_if table)")
     worst = worst_layers(records, key=args.key, n=args.n, what_if=args.what_if)
     label = args.key + (f" under what-if {args.what_if!r}" if args.what_if else "")
     print(f"run {rec.run_id}: the {len(worst)} worst (module, tensor) by {label}")
@@ -257,9 +450,12 @@ def add_store_arg(p: argparse.ArgumentParser) -> None:
 def add_parsers(sub: Any) -> None:
     r = sub.add_parser("run", help="train a run config (one run per seed) and record it in the run store")
     r.add_argument("config", nargs="?", metavar="CONFIG.toml", help="run config (see docs/runs.md)")
-    r.add_argument("--seeds", type=int, nargs="+", metavar="S", help="override the config's seeds")
+    r.add_argument("--seeds", type=int, nargs="+", metavar="S",
+                   help="override the config's seeds: the seeds themselves (--seeds 10 11 trains seeds 10 and 11)")
     r.add_argument("--steps", type=int, help="override the config's steps")
-    r.add_argument("--recipe", metavar="NAME", help="override the config's recipe with a named one")
+    r.add_argument("--recipe", metavar="NAME|FILE",
+                   help="override the config's recipe: a built-in name (lowprec recipes) or a recipe file, TOML or "
+                        "JSON (lowprec autoprecision --out/--config-out, lowprec recipes --show NAME > FILE.toml)")
     r.add_argument("--resume", metavar="RUN_ID",
                    help="continue a stored (failed or killed) run from its newest usable checkpoint, the one next to "
                         "the store that holds it; a completed run is refused")
@@ -305,13 +501,22 @@ def add_parsers(sub: Any) -> None:
                     help="also delete a run a stored baseline is built from, or one marked running on another host")
     add_store_arg(dl)
     dl.set_defaults(func=cmd_runs_delete)
-    show = rs.add_parser("show", help="one run: config, manifest, last values, events")
+    show = rs.add_parser("show", help="one run: config, manifest (git commit, versions, hardware), last values, "
+                                      "events")
     show.add_argument("run_id", metavar="RUN_ID", help="run id or a unique prefix of it")
+    show.add_argument("--config", action="store_true",
+                      help="print only the run's full (resolved) config as TOML, which lowprec run reads back")
+    show.add_argument("--all", action="store_true",
+                      help="also list every per-layer statistic key (stats/...), summarised by default")
     add_store_arg(show)
     show.set_defaults(func=cmd_runs_show)
     exp = rs.add_parser("export", help="write a run's scalars as CSV, JSON or TensorBoard event files")
     exp.add_argument("run_id", metavar="RUN_ID")
     exp.add_argument("--format", choices=("csv", "json", "tensorboard"), default="csv")
-    exp.add_argument("--out", metavar="PATH", help="output file (directory for tensorboard); default stdout")
+    exp.add_argument("--out", metavar="PATH",
+                     help=f"output file (default stdout); for tensorboard the logdir (default {TB_LOGDIR}): the event "
+                          "file goes in LOGDIR/RUN_ID/, and tensorboard --logdir LOGDIR shows every exported run")
+    exp.add_argument("--overwrite", action="store_true",
+                     help="tensorboard: replace the event files of an earlier export of this run")
     add_store_arg(exp)
     exp.set_defaults(func=cmd_runs_export)

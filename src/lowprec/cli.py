@@ -3,7 +3,8 @@
 User errors (bad names, bad arguments) print one line to stderr, without a traceback, and exit with status 2.
 SIGTERM and SIGHUP raise ``Terminated`` in the main thread (where they are not ignored), so a command stops the way
 Ctrl-C stops it: a run in progress is marked failed with the reason ("Terminated: interrupted by SIGTERM"), and
-the command exits with status 128 + the signal number.
+the command exits with status 128 + the signal number.  When ``lowprec run`` is stopped so (or by Ctrl-C), the
+last line names the command that continues the run: ``lowprec run --resume RUN_ID``.
 """
 
 from __future__ import annotations
@@ -141,6 +142,13 @@ def _catch_termination() -> list[tuple[int, Any]]:
     return saved
 
 
+def _print_resume(e: BaseException) -> None:
+    """The command that continues an interrupted run, which ``lowprec run`` attaches to the exception."""
+    command = getattr(e, "lowprec_resume", None)
+    if command:
+        print(f"lowprec: the run is marked failed; continue it with: {command}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -152,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except Terminated as e:
         print(f"lowprec: {e}", file=sys.stderr)
+        _print_resume(e)
         return 128 + e.signum
     except ValueError as e:
         print(f"lowprec: error: {e}", file=sys.stderr)
@@ -162,9 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(e, RunFailed):
             raise
         print(f"lowprec: {e}", file=sys.stderr)
+        _print_resume(e)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("lowprec: interrupted", file=sys.stderr)
+        _print_resume(e)
         return 130
     except BrokenPipeError:  # e.g. `lowprec formats | head`
         sys.stderr.close()

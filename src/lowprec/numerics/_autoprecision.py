@@ -75,6 +75,37 @@ def bits_per_element(spec: str | QuantSpec | None, shape: tuple[int, int] = (32,
     return storage_bits(resolved, shape) / (shape[0] * shape[1])
 
 
+def min_bits_per_element(spec: str | QuantSpec | None) -> float:
+    """The fewest bits per element ``spec`` costs on an operand of any shape (a lower bound of ``storage_bits`` /
+    elements): its element bits, plus one scale per block or tile for block and tile scaling (tensor, row and
+    column scales cost next to nothing on a large operand).  mxfp4: 4.25; nvfp4: 4.5; float32: 32."""
+    _, resolved = resolve_candidate(spec)
+    if resolved is None:
+        return 32.0
+    elem, sbits = resolved.format.bits, resolved.scale_spec.bits
+    if resolved.scaling == "block":
+        return elem + sbits / (resolved.block_size or 1)
+    if resolved.scaling == "tile":
+        a, b = resolved.tile or (1, 1)
+        return elem + sbits / (a * b)
+    return float(elem)
+
+
+def check_budget(budget_bits: float, candidates: Sequence[str | QuantSpec | None]) -> None:
+    """ValueError when no model can meet ``budget_bits`` with ``candidates``: the budget is below the cheapest
+    candidate's ``min_bits_per_element``.  Needs no model, so ``lowprec autoprecision`` calls it before calibrating
+    (``choose_precision`` checks the exact cost of the measured layers afterwards)."""
+    if not candidates:
+        raise ValueError("no candidate specs: name at least one")
+    costs = {resolve_candidate(c)[0]: min_bits_per_element(c) for c in candidates}
+    cheapest = min(costs, key=lambda k: costs[k])
+    if budget_bits < costs[cheapest]:
+        raise ValueError(f"budget_bits={budget_bits} is below the cheapest mix of {list(costs)} on any model: "
+                         f"{cheapest}, the cheapest, costs at least {costs[cheapest]:g} bits per weight element, "
+                         f"scales included; raise the budget (--budget-bits) to >= {costs[cheapest]:g} or add a "
+                         "cheaper candidate (--candidates)")
+
+
 def training_linear(spec: QuantSpec | None) -> LinearRecipe:
     """All three GEMMs of a linear with every operand in ``spec``; the gradient operand rounds stochastically when
     the element format has fewer than 8 bits.  None: float32 (the default ``LinearRecipe``)."""

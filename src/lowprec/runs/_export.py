@@ -127,7 +127,8 @@ def run_dir(base: str | os.PathLike[str], run_id: str) -> Path:
 
 def export_tensorboard(store: RunStore, run_id: str, logdir: str | os.PathLike[str], *,
                        overwrite: bool = False) -> Path:
-    """Write run ``run_id`` as TensorBoard event files under ``logdir/<run_id>/``; returns the event file's path.
+    """Write run ``run_id`` as TensorBoard event files under ``logdir/<run_id>/``; returns the event file's path
+    (``tensorboard --logdir LOGDIR`` takes ``logdir``, not that file; ``lowprec runs export`` defaults to ``tb``).
 
     Every stored scalar becomes ``add_scalar(key, value, step)`` (TensorBoard keeps float32), all stamped with the
     run's creation time (the store keeps no per-value wall time, so re-exports are reproducible).  The config,
@@ -141,8 +142,9 @@ def export_tensorboard(store: RunStore, run_id: str, logdir: str | os.PathLike[s
     scalars, events = store.scalars(rec.run_id), store.events(rec.run_id)  # verified before anything is written
     old = sorted(out_dir.glob("events.out.tfevents.*")) if out_dir.is_dir() else []
     if old and not overwrite:
-        raise ValueError(f"{out_dir} already holds TensorBoard event files ({old[0].name}, ...); pass "
-                         "overwrite=True to replace them or choose another logdir")
+        raise ValueError(f"{out_dir} already holds TensorBoard event files ({old[0].name}, ...) of an earlier export "
+                         "of this run: replace them (lowprec runs export --overwrite; overwrite=True in Python) or "
+                         "export to another logdir (--out)")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for f in old:

@@ -3,20 +3,23 @@
 These are what ``lowprec baseline``, ``lowprec compare`` and ``lowprec report`` call; Python users call them the
 same way.  Candidates are judged per group (one group = one experiment arm: one recipe over several seeds), so
 ``compare`` over several groups gives one verdict per arm.
+
+Only ``run_baseline`` trains: it imports the runner (and so torch) when called, so ``compare`` and ``plan``, which
+only read the store, do not import torch (``report`` still does, through ``lowprec.numerics`` in
+``_report.stats_grid``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ._baseline import Baseline, RunData, build_baseline
 from ._config import RunConfig
 from ._judge import Verdict, judge
-from ._runner import run_config
 from ._stats import Criteria
 from ._store import RunRecord, RunStore
 
@@ -30,19 +33,37 @@ def run_baseline(config: RunConfig, *, name: str, store: RunStore, seeds: int | 
                  criteria: Criteria | None = None, overwrite: bool = False, progress: bool = True) -> Baseline:
     """Train ``config`` once per seed (``seeds``: a count N for seeds 0..N-1, a list, or None for the config's)
     and store the baseline ``name`` built from those runs.  The criteria are fixed now, before any candidate."""
+    from ._runner import build_task, run_config  # torch: only for training
+
     if isinstance(seeds, int):
         if seeds < 2:
             raise ValueError(f"--seeds must be >= 2 (a baseline measures seed-to-seed noise); got {seeds}")
         seeds = tuple(range(seeds))
     chosen = tuple(seeds) if seeds is not None else config.seeds
+    if len(chosen) < 2:
+        raise ValueError(f"a baseline needs at least 2 seeds (it measures seed-to-seed noise); got {list(chosen)}")
     if name in store.list_baselines() and not overwrite:
         raise ValueError(f"baseline {name!r} already exists in {store.path}; pass --overwrite to replace it")
+    if criteria is not None:  # before any training: the task says which metrics its runs will record
+        check_criteria_metrics(criteria, build_task(config, chosen[0]).metrics, model=config.model)
     cfg = dataclasses.replace(config, seeds=chosen, group=baseline_group(name),
                               name=config.name or f"baseline {name}")
     ids = run_config(cfg, store=store, progress=progress)
     baseline = build_baseline(name, [RunData.from_store(store, i) for i in ids], criteria=criteria)
     store.save_baseline(name, baseline.to_dict(), overwrite=overwrite)
     return baseline
+
+
+def check_criteria_metrics(criteria: Criteria, metrics: Mapping[str, str], *, model: str) -> None:
+    """ValueError naming the field when ``criteria.metrics`` or ``criteria.metric_margins`` name a metric that the
+    task (``Task.metrics``: its eval metrics) does not have; called before a baseline's seeds are trained."""
+    known = sorted(metrics)
+    for field, names in (("metrics", criteria.metrics or ()),
+                         ("metric_margins", [m for m, _ in criteria.metric_margins or ()])):
+        unknown = [m for m in names if m not in metrics]
+        if unknown:
+            raise ValueError(f"criteria.{field} names {unknown}, which task {model!r} does not record; its eval "
+                             f"metrics are {known} (names without 'eval/'): fix the criteria file")
 
 
 def load_baseline(store: RunStore, ref: str) -> Baseline:
