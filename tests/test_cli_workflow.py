@@ -334,9 +334,6 @@ def test_commands_that_only_read_the_store_do_not_import_torch(work: Path, tmp_p
     assert (tmp_path / "r.json").is_file()
 
 
-@pytest.mark.xfail(strict=True, reason="lowprec.runs._report.stats_grid imports lowprec.numerics (torch) for every "
-                                       "run, with or without per-layer statistics: return early when the run has no "
-                                       "stats/ keys, or move records_from_scalars to a torch-free module")
 def test_report_does_not_import_torch(work: Path, tmp_path: Path) -> None:
     """Oracle: as above, for ``report`` of runs without per-layer statistics."""
     store = str(work / "runs.db")

@@ -340,3 +340,18 @@ def test_jax_configs_get_their_own_default_group() -> None:
 
     assert RunConfig(model="gpt-bytes").label == "gpt-bytes fp32"
     assert RunConfig(model="gpt-bytes", framework="jax").label == "gpt-bytes fp32 [jax]"
+
+
+def test_fail_reason_states_the_per_metric_level_as_the_family_alpha_split() -> None:
+    """Oracle: the Bonferroni split by hand.  Two judged metrics (loss, accuracy) with the default metric_alpha
+    0.02: each final metric fails at 0.01, and the reason says where 0.01 comes from, so it reads against the
+    criteria table (which shows the family's 0.02)."""
+    rng = np.random.default_rng(12)
+    base, cands = trial(rng, 4, 4, acc_shift=0.05)
+    v = judge(base, cands)
+    acc = next(r for r in v.results if r.name == "final/accuracy")
+    assert acc.outcome == "fail"
+    alpha = base.criteria.metric_alpha
+    assert acc.values["fail_alpha"] == pytest.approx(alpha / 2)
+    assert f"< {alpha / 2:.3g} = metric_alpha {alpha:g} / 2 metrics" in acc.reason, acc.reason
+    assert "better" not in acc.reason.split(":")[-1] and "worse by -" not in acc.reason

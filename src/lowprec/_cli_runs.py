@@ -420,7 +420,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .numerics import records_from_scalars, worst_layers
+    from ._layer_stats import records_from_scalars, worst_layers
 
     with open_store(store_path(args), create=False) as store:
         rec = store.get_run(args.run_id)

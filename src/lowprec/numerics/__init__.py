@@ -12,7 +12,6 @@ from ._autoprecision import storage_bits as storage_bits
 from ._autoprecision import training_linear as training_linear
 from ._autoprecision import training_probe as training_probe
 from ._autoprecision import uniform_plan as uniform_plan
-
 from ._fallback import FallbackController as FallbackController
 from ._localize import Localization as Localization
 from ._localize import localize_nonfinite as localize_nonfinite

@@ -28,12 +28,12 @@ from typing import Any
 
 from torch import nn
 
+from .._layer_stats import parse_stat_key
 from ..nn import EmulatedLinear
 from ..recipes import Fallback
 from ._observer import ROLES, role_spec
 from ._tensor_stats import spec_name
 
-_PREFIX = "stats/"
 WATCHED: tuple[str, ...] = ("underflow_pct", "overflow_pct", "sqnr_db")
 """The statistics a ``Fallback`` policy can watch, in the order ties are reported."""
 
@@ -80,10 +80,13 @@ class FallbackController:
         swapped now; returns one "fallback" event payload per swapped layer."""
         seen: dict[tuple[str, str, str], float] = {}
         for key, value in scalars.items():
-            if not key.startswith(_PREFIX) or key.count("/") < 3:
+            parsed = parse_stat_key(key)
+            if parsed is None:
                 continue
-            module, role, stat = key[len(_PREFIX):].rsplit("/", 2)
-            if "@" in role or stat not in self.thresholds or module in self.decisions or module not in self.layers:
+            module, role, stat, what_if = parsed
+            if what_if is not None or stat not in self.thresholds:
+                continue
+            if module in self.decisions or module not in self.layers:
                 continue
             seen[(module, role, stat)] = float(value)
         due: dict[str, tuple[str, str, float]] = {}

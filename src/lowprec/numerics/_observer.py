@@ -37,14 +37,16 @@ million steps); it is meant for short interactive runs, not for ``lowprec run``.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
+from .._layer_stats import LayerStat as LayerStat
+from .._layer_stats import records_from_scalars as records_from_scalars
+from .._layer_stats import stat_key
+from .._layer_stats import worst_layers as worst_layers
 from ..nn import EmulatedLinear
 from ..quant import QuantSpec
 from ..recipes import LinearRecipe
@@ -54,7 +56,6 @@ ROLES: tuple[str, ...] = ("input", "weight", "output", "grad_output", "grad_inpu
 """The observed tensors of a linear layer, in the order they appear in a training step."""
 OPERAND_ROLES: tuple[str, ...] = ("input", "weight", "grad_output")
 """The roles that are GEMM operands: the ones ``what_if`` specs are applied to."""
-_PREFIX = "stats/"
 
 
 def _format_spec(fmt: str | None) -> QuantSpec | None:
@@ -246,66 +247,7 @@ class StatsObserver:
 def _to_scalars(records: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
     for r in records:
-        role = r["role"] if r["what_if"] is None else f"{r['role']}@{r['what_if']}"
         row = out.setdefault(r["step"], {})
         for stat, v in r["stats"].items():
-            row[f"{_PREFIX}{r['module']}/{role}/{stat}"] = v
+            row[stat_key(r["module"], r["role"], stat, r["what_if"])] = v
     return out
-
-
-def records_from_scalars(scalars: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> list[dict[str, Any]]:
-    """Records (as ``StatsObserver.records``, with ``spec`` "recipe" or the what-if name) rebuilt from a run's
-    scalars as ``RunStore.scalars(run_id)`` returns them (key -> (steps, values)); other keys are ignored."""
-    grouped: dict[tuple[int, str, str, str | None], dict[str, float]] = {}
-    for key, (steps, values) in scalars.items():
-        if not key.startswith(_PREFIX) or key.count("/") < 3:
-            continue
-        module, role, stat = key[len(_PREFIX):].rsplit("/", 2)
-        role, _, what_if = role.partition("@")
-        for s, v in zip(np.asarray(steps).tolist(), np.asarray(values).tolist(), strict=True):
-            grouped.setdefault((int(s), module, role, what_if or None), {})[stat] = float(v)
-    return [{"step": s, "module": m, "role": r, "spec": w or "recipe", "what_if": w, "stats": st}
-            for (s, m, r, w), st in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
-                                                                              kv[0][3] or ""))]
-
-
-class LayerStat(NamedTuple):
-    """One row of ``worst_layers``."""
-
-    module: str
-    role: str
-    value: float
-    """Mean of the statistic over the sampled steps (NaN when any step gave NaN)."""
-    steps: int
-    """Number of sampled steps averaged."""
-
-
-_LOWER_IS_WORSE = frozenset({"sqnr_db"})
-
-
-def worst_layers(records: list[dict[str, Any]], *, key: str = "sqnr_db", n: int = 10,
-                 what_if: str | None = None) -> list[LayerStat]:
-    """The ``n`` (module, role) pairs worst on ``key``, averaged over steps: lowest mean SQNR for "sqnr_db",
-    highest mean for every other statistic (underflow_pct, overflow_pct, ...).  NaN ranks worst.  Only records of
-    the recipe's spec are ranked, or those of what-if ``what_if``; for "sqnr_db" unquantized tensors (SQNR inf at
-    every step) are left out."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be a positive int; got {n!r}")
-    values: dict[tuple[str, str], list[float]] = {}
-    for r in records:
-        if r.get("what_if") != what_if:
-            continue
-        if key not in r["stats"]:
-            raise ValueError(f"key {key!r} is not a statistic of the records; they have {sorted(r['stats'])}")
-        values.setdefault((r["module"], r["role"]), []).append(float(r["stats"][key]))
-    lower = key in _LOWER_IS_WORSE
-    rows = [LayerStat(m, role, float(np.mean(v)), len(v)) for (m, role), v in values.items()]
-    if lower:
-        rows = [row for row in rows if row.value != math.inf]
-
-    def badness(row: LayerStat) -> tuple[int, float, str, str]:
-        if math.isnan(row.value):
-            return (0, 0.0, row.module, row.role)
-        return (1, row.value if lower else -row.value, row.module, row.role)
-
-    return sorted(rows, key=badness)[:n]

@@ -114,6 +114,12 @@ def _compile(plan: Plan, recipe_json: str, o: OptimizerConfig) -> _Compiled:
     return _Compiled(opt=opt, step=jax.jit(train_step), logits=jax.jit(functools.partial(forward, plan)))
 
 
+def _logits_at(fns: _Compiled, params: Any, states: Any, step: int) -> Any:
+    """The model's logits as a function of the inputs alone, at these parameters and states (for ``evaluate``)."""
+    k = jnp.int32(step)
+    return lambda v: fns.logits(params, states, v, k)
+
+
 def _to_jax(t: torch.Tensor) -> jax.Array:
     """A task's torch tensor as a JAX array: floating point as float32, integers (byte tokens, labels) as int32."""
     a = t.numpy()
@@ -264,8 +270,7 @@ def _loop(config: RunConfig, task: Task, fns: _Compiled, rid: str, store: RunSto
         step += 1
         diverged = not (math.isfinite(loss_f) and math.isfinite(norm_f))
         if step % every == 0 or step == steps or diverged:
-            p, s, k = params, states, jnp.int32(step)
-            metrics = task.evaluate(_JaxModule(lambda v: fns.logits(p, s, v, k)))
+            metrics = task.evaluate(_JaxModule(_logits_at(fns, params, states, step)))
             values.update({f"eval/{m}": float(v) for m, v in metrics.items()})
         store.log_scalars(rid, step, values)
         bar.update(step, loss=loss_f)

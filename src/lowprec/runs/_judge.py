@@ -385,7 +385,9 @@ def _finals(b: Baseline, runs: list[RunData]) -> list[CriterionResult]:
                      f"at least {-t.upper:.4g} better ({-t.upper / scale:.2%})")
             why = f"; {bound} ({level} bound), margin {margin:.4g} ({margin / scale:.2%})"
             if t.outcome == "fail":
-                why += (f"; at least {t.lower:.4g} worse (p = {t.p_worse:.3g} < {fail_alpha:.3g}, "
+                level_f = (f"{fail_alpha:.3g}" if len(names) == 1 else
+                           f"{fail_alpha:.3g} = metric_alpha {c.metric_alpha:g} / {len(names)} metrics")
+                why += (f"; at least {t.lower:.4g} worse (p = {t.p_worse:.3g} < {level_f}, "
                         f"Welch df {t.df:.1f})")
             elif t.outcome == "inconclusive":
                 why += (f"; cannot tell: these seeds show equivalence only for a margin >= {t.passable:.3g} and "

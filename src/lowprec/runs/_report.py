@@ -733,7 +733,7 @@ _HEAT_MAX_ROWS = 60
 def stats_grid(run: RunData, stat: str) -> tuple[list[str], list[int], np.ndarray]:
     """Rows ("module role"), sampled steps and the ``rows x steps`` values of per-layer statistic ``stat`` of the
     recipe's own specs (what-if specs left out) from a run's ``stats/<module>/<role>/<stat>`` scalars."""
-    from ..numerics import records_from_scalars
+    from .._layer_stats import records_from_scalars
 
     recs = [r for r in records_from_scalars(run.scalars) if r["what_if"] is None and stat in r["stats"]]
     rows = sorted({(r["module"], r["role"]) for r in recs})
