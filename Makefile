@@ -1,11 +1,14 @@
 # Two commands from a fresh clone: `make demo` and `make test`.  Both create .venv and install the pinned
-# dependencies first (requirements.lock); nothing but python3 (>= 3.11) is needed.
+# dependencies first (requirements.lock); nothing but python3 (>= 3.11) is needed.  `make lint` runs ruff and mypy
+# from their own venv (.venv-lint, pinned in requirements-lint.txt); mypy checks src against .venv's packages.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LINT_VENV := .venv-lint
+LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -13,15 +16,24 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+$(LINT_STAMP): requirements-lint.txt
+	$(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements-lint.txt
+	touch $(LINT_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/lowprec demo
 
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(PY) -m pytest
 
+lint: $(LINT_STAMP) $(STAMP)
+	$(LINT_VENV)/bin/ruff check src tests benchmarks
+	$(LINT_VENV)/bin/mypy --python-executable $(PY) src
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_quant.py
 	$(PY) benchmarks/bench_train.py --threads 1
 
 clean:
-	rm -rf $(VENV) .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) $(LINT_VENV) .pytest_cache build src/*.egg-info

@@ -91,7 +91,7 @@ def measure_size(numel: int, cols: int, repeat: int, only: list[str] | None) -> 
         if not only or name in only:
             fns[name] = lambda fn=fn: fn(x)
     warmup = {k: sig(warm(f), 3) for k, f in fns.items()}
-    times = dict(zip(fns, best_times(list(fns.values()), repeat)))
+    times = dict(zip(fns, best_times(list(fns.values()), repeat), strict=True))
     nbytes = numel * 4
     gbps = {k: sig(nbytes / t / 1e9) for k, t in times.items()}
     out: dict[str, Any] = {"shape": list(x.shape), "bytes_per_call": nbytes,

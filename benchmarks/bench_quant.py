@@ -108,7 +108,7 @@ def reference_gbps(x: torch.Tensor, repeat: int) -> dict[str, float]:
     for fn in refs.values():
         fn()
     times = best_times(list(refs.values()), repeat)
-    return {name: gbps(nbytes, t) for name, t in zip(refs, times)}
+    return {name: gbps(nbytes, t) for name, t in zip(refs, times, strict=True)}
 
 
 def measure_quantizer(

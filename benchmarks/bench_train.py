@@ -33,9 +33,9 @@ Each configuration runs warm-up steps (the first one compiles in compiled mode; 
 ``first_step_s``), then up to ``--steps`` timed steps, stopping early once the timed steps have taken
 ``--max-config-s`` seconds (at least ``--min-steps`` are always run).  The configurations of one model and mode are
 timed interleaved: one step of each per round, in a rotating order, so that load from other processes falls on
-all of them alike and the ratios, which compare medians of the same rounds, stay meaningful on a busy machine.  ``step_ms`` is the median, ``best_ms`` the
-minimum.  Ratios compare medians within one mode: ``ratio_to_fp32`` against ``pytorch-fp32`` and
-``ratio_to_torchao_float8`` against ``torchao-float8``.
+all of them alike and the ratios, which compare medians of the same rounds, stay meaningful on a busy machine.
+``step_ms`` is the median, ``best_ms`` the minimum.  Ratios compare medians within one mode: ``ratio_to_fp32``
+against ``pytorch-fp32`` and ``ratio_to_torchao_float8`` against ``torchao-float8``.
 
 Recipes with an emulated narrow accumulator (``h100-fp8``) run one elementwise pass per reduction index and are
 about three orders of magnitude slower: they run eagerly only, with ``--slow-warmup`` warm-up and ``--slow-steps``

@@ -34,7 +34,7 @@ class Probe(torch.nn.Module):
         self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
 
     def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
-        return sum(((p * x).sum() for p, x in zip(self.ps, xs)), torch.zeros(()))
+        return sum(((p * x).sum() for p, x in zip(self.ps, xs, strict=True)), torch.zeros(()))
 
 
 def local_grad(n: int, step: int, rank: int, salt: int = 0) -> torch.Tensor:
@@ -130,8 +130,8 @@ def error_feedback(world: int, rank: int, ef: bool, steps: int = 30) -> dict:
         for i, p in enumerate(model.ps):
             sent[i] += p.grad
             true[i] += sum(xs[r][i] for r in range(world)) / world
-    err = max(float((s - t).abs().max()) for s, t in zip(sent, true))
-    tiny_err = max(float((s[1:100] - t[1:100]).abs().max()) for s, t in zip(sent, true))
+    err = max(float((s - t).abs().max()) for s, t in zip(sent, true, strict=True))
+    tiny_err = max(float((s[1:100] - t[1:100]).abs().max()) for s, t in zip(sent, true, strict=True))
     res = {"err": err, "tiny_err": tiny_err, "tiny_true": float(true[0][1]), "buckets": state.buckets}
     if ef:
         own = torch.cat([state.residuals[id(p)] for p in model.ps])
@@ -139,7 +139,7 @@ def error_feedback(world: int, rank: int, ef: bool, steps: int = 30) -> dict:
         dist.all_gather(allr, own)
         mean_res = sum(allr) / world
         # telescoping: sum_t sent_t = sum_t true_t - mean_r residual_r (up to float32 rounding of the sums)
-        tele = torch.cat([s - t for s, t in zip(sent, true)]) + mean_res
+        tele = torch.cat([s - t for s, t in zip(sent, true, strict=True)]) + mean_res
         res.update(max_residual=float(max(r.abs().max() for r in allr)), telescope_err=float(tele.abs().max()))
     return res
 

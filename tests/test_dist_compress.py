@@ -56,7 +56,7 @@ def test_ddp_parity_bitwise_and_identical_on_ranks(ranks: list[dict]) -> None:
     r0, r1 = ranks
     assert r0["world"] == 2 and len(r0["parity"]) == 12
     for name, res in r0["parity"].items():
-        for s0, s1 in zip(res["steps"], r1["parity"][name]["steps"]):
+        for s0, s1 in zip(res["steps"], r1["parity"][name]["steps"], strict=True):
             assert s0["equal"] and s1["equal"], (name, s0["max_diff"], s1["max_diff"])
             assert s0["digest"] == s1["digest"], name  # both ranks hold the same gradient
             assert s0["buckets"] == 1

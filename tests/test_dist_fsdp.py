@@ -82,7 +82,7 @@ def test_bf16_param_dtype_policy_rounds_the_bias(dist_run: dict) -> None:
     for rank in (0, 1):
         case, ddp = dist_run["ranks"][rank][("bf16", "fsdp_fp32")], dist_run["ranks"][rank][("bf16", "ddp")]
         assert case["bytes_one_forward"] == 2 * W_NUMEL + B_BYTES // 2  # weights and biases in bf16
-        rel = max(abs(a - b) / abs(b) for a, b in zip(_losses(case), _losses(ddp)))
+        rel = max(abs(a - b) / abs(b) for a, b in zip(_losses(case), _losses(ddp), strict=True))
         assert 0 < rel < LOSSY_GATHER_LOSS_REL
 
 
@@ -116,7 +116,7 @@ def test_lowp_gather_bytes(dist_run: dict) -> None:
 def test_lowp_gather_training_close_to_ddp(dist_run: dict, recipe: str) -> None:
     for rank in (0, 1):
         case, ddp = dist_run["ranks"][rank][(recipe, "fsdp_lowp")], dist_run["ranks"][rank][(recipe, "ddp")]
-        rel = max(abs(a - b) / abs(b) for a, b in zip(_losses(case), _losses(ddp)))
+        rel = max(abs(a - b) / abs(b) for a, b in zip(_losses(case), _losses(ddp), strict=True))
         assert rel < LOSSY_GATHER_LOSS_REL, rel
 
 

@@ -98,9 +98,10 @@ def test_ddp_split_batch_within_reduction_order_tolerance(ddp_runs: tuple[Path, 
 
 def test_ddp_delayed_scaling_uses_the_global_amax_from_the_first_step(ddp_runs: tuple[Path, dict[str, str]]) -> None:
     """Oracle: one process training on the whole batch.  With the batch really split, fp8-delayed DDP must stay
-    within the reduction-order tolerance of it (widened for fp8 rounding, see the tolerance's source) from step 1: its first-step scales (empty history, so from the
-    current amax) come from a MAX all-reduce of the ranks' amaxes, not from each rank's half batch, which would
-    put different fp8 grids on the ranks and move the loss by far more than summation order does."""
+    within the reduction-order tolerance of it (widened for fp8 rounding, see the tolerance's source) from step 1:
+    its first-step scales (empty history, so from the current amax) come from a MAX all-reduce of the ranks'
+    amaxes, not from each rank's half batch, which would put different fp8 grids on the ranks and move the loss by
+    far more than summation order does."""
     tmp, ids = ddp_runs
     with RunStore(tmp / "runs.db") as store:
         d, s = _loss(store, ids["plain/fp8-delayed"]), _loss(store, ids["single/plain-fp8-delayed"])

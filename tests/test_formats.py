@@ -94,7 +94,8 @@ def test_num_finite_matches_exhaustive_count(name):
     """Oracle: decode every bit pattern with ml_dtypes/numpy and count distinct finite values (+0 == -0)."""
     vals = _all_values(name)
     finite = vals[np.isfinite(vals)]
-    assert formats.get(name).num_finite == len(np.unique(finite)), (formats.get(name).num_finite, len(np.unique(finite)))
+    num_finite = formats.get(name).num_finite
+    assert num_finite == len(np.unique(finite)), (num_finite, len(np.unique(finite)))
 
 
 @pytest.mark.parametrize("name", SMALL_FLOATS)

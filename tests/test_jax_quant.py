@@ -82,7 +82,7 @@ def _kw(rounding: str, saturate: bool) -> dict:
 def test_quantize_bits_match_torch(name: str) -> None:
     xs = {d: jnp.asarray(X).astype(_JAX[d]) for d in _JAX}
     many = jax.jit(lambda xs: [lj.quantize(xs[d], name, **_kw(r, s)) for r, s, d in _CONFIGS])
-    for (rounding, saturate, dtype), got in zip(_CONFIGS, many(xs)):
+    for (rounding, saturate, dtype), got in zip(_CONFIGS, many(xs), strict=True):
         ref = _torch_np(lowprec.quantize(torch.from_numpy(X).to(_TORCH[dtype]), name, **_kw(rounding, saturate)))
         _assert_same(ref, np.asarray(got), dtype, f"{name} {rounding} saturate={saturate} {dtype}")
 

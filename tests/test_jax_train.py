@@ -36,6 +36,9 @@ from lowprec.quant import _random as trandom  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 B, K, N = 8, 64, 16
 
+# The stochastically rounded e5m2 MX spec of operand a of both gradient GEMMs (an inline TOML table).
+_SR_E5M2 = ('{ elem = "float8_e5m2", scaling = "block", block_size = 32, scale_format = "float8_e8m0fnu", '
+            'rounding = "stochastic" }')
 # A custom recipe from TOML: MXFP8 everywhere, gradients rounded stochastically (the random-stream test).
 SR_TOML = """
 name = "mxfp8-sr-grad"
@@ -43,12 +46,12 @@ name = "mxfp8-sr-grad"
 a = { spec = "mxfp8_e4m3" }
 b = { spec = "mxfp8_e4m3" }
 [linear.grad_input]
-a = { spec = { elem = "float8_e5m2", scaling = "block", block_size = 32, scale_format = "float8_e8m0fnu", rounding = "stochastic" } }
+a = { spec = SR_E5M2 }
 b = { spec = "mxfp8_e4m3" }
 [linear.grad_weight]
-a = { spec = { elem = "float8_e5m2", scaling = "block", block_size = 32, scale_format = "float8_e8m0fnu", rounding = "stochastic" } }
+a = { spec = SR_E5M2 }
 b = { spec = "mxfp8_e4m3" }
-"""
+""".replace("SR_E5M2", _SR_E5M2)
 
 
 def _recipe(name: str) -> lowprec.Recipe:
@@ -146,7 +149,7 @@ def _jax_operands(rec: lowprec.Recipe):
                     for r, t in (("input", x), ("weight", w), ("grad_output", dy))}
             tensors = {"forward": (x, w), "grad_input": (dy, w.T), "grad_weight": (dy.T, x.T)}
             return {f"{g}.{o}": _dense.quantize_operand(t, getattr(lin, g), g, o, keys, amax)
-                    for g, pair in tensors.items() for o, t in zip("ab", pair)}
+                    for g, pair in tensors.items() for o, t in zip("ab", pair, strict=True)}
 
         _JITTED[(rec.name, "ops")] = jax.jit(f)
     return _JITTED[(rec.name, "ops")]
@@ -162,7 +165,7 @@ def _torch_operands(rec: lowprec.Recipe, x: np.ndarray, w: np.ndarray, dy: np.nd
     keys = {k: trandom.derive_keys(trandom.key_tensor(trandom.stream_seed(rec.seed, "0", *k)), torch.tensor(step))
             for k in _dense.ROLE}
     return {f"{g}.{o}": tlin.quantize_operand(t.contiguous(), getattr(lin, g), g, o, keys, amax)
-            for g, pair in tensors.items() for o, t in zip("ab", pair)}
+            for g, pair in tensors.items() for o, t in zip("ab", pair, strict=True)}
 
 
 def _run(name: str, x, w, b, dy, step: int = 1, state=None):
@@ -199,8 +202,8 @@ def test_linear_forward_and_gradients_match_torch_bitwise(name: str) -> None:
     for g in _dense.GEMMS:
         assert _order_free(ops[f"{g}.a"].numpy(), ops[f"{g}.b"].numpy()), f"test input not order-free for {g}"
     ref = _torch_step(_torch_layer(rec, w, b), x, dy)
-    got = _jax_step(rec)(x, w, b, lj.init_state(rec.linear), 1, dy)
-    for what, gv, rv in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, ref):
+    got = _jax_step(rec)(x, w, b, lj.init_state(rec.linear), 1, dy)  # (y, dx, dW, db, d_state)
+    for what, gv, rv in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, ref, strict=False):
         _assert_bits(gv, rv, f"{name} {what}")
 
 
@@ -245,7 +248,7 @@ def test_delayed_scaling_three_steps_match_torch() -> None:
         before = {r: np.asarray(h) for r, h in state.items()}
         ref = _torch_step(model, x, dy)
         *got, state = _jax_step(rec)(x, w, b, state, step, dy)
-        for what, gv, rv in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, ref):
+        for what, gv, rv in zip(("output", "grad_input", "grad_weight", "grad_bias"), got, ref, strict=True):
             _assert_bits(gv, rv, f"step {step} {what}")
         for role in ("input", "weight", "grad_output"):
             _assert_bits(state[role], getattr(model[0], f"amax_history_{role}"), f"step {step} history {role}")
@@ -286,8 +289,8 @@ def test_dot_general_is_linear_on_flattened_operands() -> None:
     both = jax.jit(lambda a, c: [jax.vjp(h, a, c)[1](dy) + (h(a, c),) for h in (f, g)])
     got, ref = both(lhs, rhs)
     assert got[2].shape == (4, 3)
-    for got, ref in zip(got, ref):
-        _assert_bits(got, ref, "dot_general grad")
+    for gv, rv in zip(got, ref, strict=True):
+        _assert_bits(gv, rv, "dot_general grad")
     with pytest.raises(ValueError, match="batch dimensions"):
         lj.dot_general(lhs, rhs, (((1, 2), (0, 1)), ((0,), (2,))), recipe=lin)
 

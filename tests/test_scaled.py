@@ -801,8 +801,8 @@ def test_last_block_shorter_than_block_size() -> None:
     """A dimension the block size does not divide ends in a shorter block with its own amax.
 
     Oracle, by hand: shape (2, 40) in mxfp8_e4m3: the first 32 elements have amax 1 (X = 2^-8, byte 119); the last
-    8 have amax 96 (floor(log2 96) = 6, X = 2^-2, byte 125; 96 * 4 = 384 is on the grid).  The padding never enters an amax.  Row 1 is all
-    tiny (amax 2^-20 in both blocks: byte 127 - 28 = 99).
+    8 have amax 96 (floor(log2 96) = 6, X = 2^-2, byte 125; 96 * 4 = 384 is on the grid).  The padding never
+    enters an amax.  Row 1 is all tiny (amax 2^-20 in both blocks: byte 127 - 28 = 99).
     """
     x = torch.zeros(2, 40)
     x[0, :32] = 1.0

@@ -410,7 +410,8 @@ def test_split_1d_with_offsets_equals_whole(offset: int) -> None:
     for fmt in ("float8_e4m3fn", "bfloat16", "float4_e2m1fn"):
         whole = lowprec.quantize(x, fmt, offset=offset, **kw)
         for n in (1, 17, 500, 999):
-            parts = [lowprec.quantize(x[:n], fmt, offset=offset, **kw), lowprec.quantize(x[n:], fmt, offset=offset + n, **kw)]
+            parts = [lowprec.quantize(x[:n], fmt, offset=offset, **kw),
+                     lowprec.quantize(x[n:], fmt, offset=offset + n, **kw)]
             assert_same_bits(torch.cat(parts), whole, f"{fmt} split at {n}")
         # three pieces, quantized in reverse order
         pieces = [(0, 300), (300, 301), (301, 1000)]
@@ -435,7 +436,8 @@ def test_split_2d_and_3d_along_dim0_row_major() -> None:
     assert_same_bits(flat.reshape(6, 50), whole, "2-D vs flattened")
     y = _sample(4 * 3 * 7, seed=3).reshape(4, 3, 7)
     whole3 = lowprec.quantize(y, "bfloat16", offset=5, **kw)
-    parts3 = [lowprec.quantize(y[:1], "bfloat16", offset=5, **kw), lowprec.quantize(y[1:], "bfloat16", offset=5 + 21, **kw)]
+    parts3 = [lowprec.quantize(y[:1], "bfloat16", offset=5, **kw),
+              lowprec.quantize(y[1:], "bfloat16", offset=5 + 21, **kw)]
     assert_same_bits(torch.cat(parts3), whole3, "3-D split")
     xt = x.t()
     assert not xt.is_contiguous()
@@ -475,7 +477,8 @@ def test_block_scaled_stochastic_split_rows() -> None:
     )
     x = _sample(6 * 70, seed=5).reshape(6, 70)
     whole = lowprec.fake_quantize(x, spec, seed=1, offset=9)
-    parts = [lowprec.fake_quantize(x[:4], spec, seed=1, offset=9), lowprec.fake_quantize(x[4:], spec, seed=1, offset=9 + 4 * 70)]
+    parts = [lowprec.fake_quantize(x[:4], spec, seed=1, offset=9),
+             lowprec.fake_quantize(x[4:], spec, seed=1, offset=9 + 4 * 70)]
     assert_same_bits(torch.cat(parts), whole, "mx stochastic split")
     _, scales = lowprec.quantize_scaled(x, spec, seed=1, offset=9)
     s = scales.float().repeat_interleave(32, dim=1)[:, :70].double().numpy()

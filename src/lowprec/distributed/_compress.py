@@ -133,7 +133,9 @@ class CompressState:
         parts = [self.residuals.get(id(p)) for p in params]
         if all(r is None for r in parts):
             return None
-        return torch.cat([torch.zeros(n, device=g.device) if r is None else r for r, n in zip(parts, sizes, strict=True)])
+        return torch.cat(
+            [torch.zeros(n, device=g.device) if r is None else r for r, n in zip(parts, sizes, strict=True)]
+        )
 
     def _keep_residual(self, params: list[torch.Tensor], r: torch.Tensor) -> None:
         for p, piece in zip(params, r.split([p.numel() for p in params]), strict=True):

@@ -4,9 +4,9 @@ JAX (through ml_dtypes) has a dtype for the built-in element and scale formats: 
 ``float8_e5m2``, the fnuz pair, ``float8_e8m0fnu``, ``float4_e2m1fn``, ``int4``, plus ``bfloat16``/``float16``/
 ``float32``; int8 and MXINT8 codes are ``int8``.  ``jnp.float6_e3m2fn``/``float6_e2m3fn`` exist but XLA (jaxlib
 0.10.2) cannot convert to them ("Invalid XLA PrimitiveType: 35"), so float6 codes (and those of any other float
-format of at most 8 bits without a dtype) are ``uint8``, one code per byte (PyTorch's codes, unpacked).  A value on the format's
-grid converts exactly.  NaN: formats without a NaN code store 0 (as PyTorch; the group's NaN scale keeps the NaN
-visible after dequantization).
+format of at most 8 bits without a dtype) are ``uint8``, one code per byte (PyTorch's codes, unpacked).  A value on
+the format's grid converts exactly.  NaN: formats without a NaN code store 0 (as PyTorch; the group's NaN scale
+keeps the NaN visible after dequantization).
 """
 
 from __future__ import annotations

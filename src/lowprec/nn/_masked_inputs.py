@@ -32,7 +32,7 @@ def mark_masked_inputs(model: nn.Module) -> list[str]:
         if not isinstance(seq, nn.Sequential):
             continue
         children = list(seq.named_children())
-        for (_, before), (name, lin) in zip(children, children[1:]):
+        for (_, before), (name, lin) in zip(children, children[1:], strict=False):
             if isinstance(before, _MASKED_MODULES) and isinstance(lin, EmulatedLinear):
                 lin.input_after_mask = True
                 marked.append(f"{prefix}.{name}" if prefix else name)

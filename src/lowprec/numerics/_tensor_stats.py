@@ -24,7 +24,8 @@ bit of mantissa adds about 6 dB while nothing under- or overflows).  The dynamic
 in binades (over the whole tensor) says how much exponent range it needs: fp8 e4m3 spans about 17.8 binades
 (2^-9 .. 448), fp4 e2m1 only 3.6 (0.5 .. 6), so under one tensor scale a tensor of 20 binades must lose its small
 values to underflow; finer groups (rows, blocks) each need only their own range.  The scales are reported as log2
-(min/mean/max over groups whose amax is nonzero and finite): a collapsing or exploding scale shows up there before the loss does.
+(min/mean/max over groups whose amax is nonzero and finite): a collapsing or exploding scale shows up there before
+the loss does.
 
 Trade-off: the statistics cost one eager fake quantization (the scale pass is shared with the overflow count)
 plus about fifteen elementwise passes and reductions, and one device synchronisation (about 1.5 ms for a

@@ -165,7 +165,9 @@ def stats(x: torch.Tensor, q: torch.Tensor | None, bounds: tuple[tuple[float, bo
     assert lib is not None
     out = (ctypes.c_double * 8)()
     (pb, pi), (nb, ni) = bounds if bounds is not None else ((0.0, False), (0.0, False))
-    mode, scale = (0, 1.0) if v is not None else (1, mul) if mul is not None else (2, div) if div is not None else (3, 1.0)
+    mode, scale = (
+        (0, 1.0) if v is not None else (1, mul) if mul is not None else (2, div) if div is not None else (3, 1.0)
+    )
     lib.lp_stats(x.data_ptr(), None if v is None else v.data_ptr(), None if q is None else q.data_ptr(), x.numel(),
                  pb, pi, nb, ni, mode, scale, out)
     return list(out)

@@ -21,9 +21,12 @@ from ._recipe import (
 )
 
 _DELAYED = Scaling(kind="delayed", history_len=16, algorithm="max")
+# defaults of _op/_linear (frozen dataclasses of immutable fields, so one shared instance is safe)
+_CURRENT = Scaling()
+_FP32_ACCUMULATOR = Accumulator()
 
 
-def _op(spec: QuantSpec | str | None, scaling: Scaling = Scaling()) -> Operand:
+def _op(spec: QuantSpec | str | None, scaling: Scaling = _CURRENT) -> Operand:
     if isinstance(spec, str):
         spec = QuantSpec.named(spec)
     return Operand(spec=spec, scaling=scaling)
@@ -34,8 +37,8 @@ def _linear(
     w: QuantSpec | str | None,
     g: QuantSpec | str | None,
     *,
-    scaling: Scaling = Scaling(),
-    accumulator: Accumulator = Accumulator(),
+    scaling: Scaling = _CURRENT,
+    accumulator: Accumulator = _FP32_ACCUMULATOR,
     output_format: str | None = None,
 ) -> LinearRecipe:
     """Input spec x, weight spec w, grad_output spec g, used in all three GEMMs as in HYBRID fp8 recipes."""
