@@ -4,7 +4,7 @@
    sensitivity table of every linear layer under each candidate spec (``lowprec.numerics.sensitivity_table``).
 2. Choose: ``choose_precision`` per budget; uniform arms put every layer in one spec (the same recipe shape:
    every operand of all three GEMMs in the spec, stochastic rounding on sub-8-bit gradients).
-3. Judge: an fp32 baseline over ``--seeds`` seeds (``run_baseline``), every arm over the same seeds, one verdict
+3. Judge: an fp32 baseline over ``--seeds`` seeds (``train_baseline``), every arm over the same seeds, one verdict
    per arm (``judge_groups``), and the final eval metrics per seed.
 
 Prints JSON (``--out PATH`` also writes it after every arm, so an interrupted run keeps what it finished).
@@ -56,6 +56,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lowprec.accuracy import judge_groups
+from lowprec.accuracy._baseline import RunData
 from lowprec.numerics._autoprecision import (
     PrecisionPlan,
     choose_precision,
@@ -65,12 +67,11 @@ from lowprec.numerics._autoprecision import (
     uniform_plan,
 )
 from lowprec.numerics._sensitivity import resolve_candidate, sensitivity_table
-from lowprec.runs._baseline import RunData
+from lowprec.runs import train_baseline
 from lowprec.runs._config import RunConfig
 from lowprec.runs._runner import run_config
 from lowprec.runs._store import RunStore
 from lowprec.runs._trained import calibrate, eval_batches, probe_trainer
-from lowprec.runs._workflow import judge_groups, run_baseline
 
 CANDIDATES = ["mxfp4", "mxfp6_e2m3", "mxfp8_e4m3", "bfloat16"]
 WITH_NVFP4 = ["mxfp4", "nvfp4", "mxfp6_e2m3", "mxfp8_e4m3", "bfloat16"]
@@ -227,7 +228,7 @@ def main() -> int:
             print()
             return 0
         t0 = time.perf_counter()
-        baseline = run_baseline(config, name="fp32", store=store, seeds=seeds, progress=args.progress)
+        baseline = train_baseline(config, name="fp32", store=store, seeds=seeds, progress=args.progress)
         out.update(steps=baseline.steps, baseline_seconds=round(time.perf_counter() - t0, 1),
                    baseline_final={k: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)),
                                        "per_seed": [float(x) for x in v]} for k, v in baseline.finals.items()},

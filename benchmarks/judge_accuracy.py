@@ -13,7 +13,7 @@ runs (seeds 100..); then draw trials (a baseline of N reference seeds, M candida
 * fp8-tensorwise, a recipe that should be equivalent.
 
 Prints JSON.  Runs are kept in ``--store`` (default ``lowprec-runs/judge-accuracy.db``) and reused, so the trial
-analysis can be re-run cheaply; trials drawn from a finite bank share runs (see ``lowprec.runs._calibrate``).
+analysis can be re-run cheaply; trials drawn from a finite bank share runs (see ``lowprec.accuracy._calibrate``).
 
     PYTHONPATH=src python benchmarks/judge_accuracy.py --task mlp-digits --bank 24 --arm-bank 12
 """
@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from lowprec import recipes
-from lowprec.runs._baseline import RunData
-from lowprec.runs._calibrate import fail_rate
+from lowprec.accuracy._baseline import RunData
+from lowprec.accuracy._calibrate import fail_rate
+from lowprec.accuracy._stats import Criteria
 from lowprec.runs._config import RunConfig
 from lowprec.runs._runner import build_task, run_config
-from lowprec.runs._stats import Criteria
 from lowprec.runs._store import RunStore
 
 
@@ -57,8 +57,8 @@ SHAPES = ((3, 2), (3, 3), (5, 5), (8, 8))
 def truth(ref: list[RunData], cand: list[RunData], criteria: Criteria | None) -> dict[str, float]:
     """How much worse the arm is, from the whole banks, per judged quantity, as a fraction of its margin (> 1:
     truly worse than the margin, so a PASS would be a false PASS)."""
-    from lowprec.runs._baseline import build_baseline
-    from lowprec.runs._judge import candidate_mean_curve, metric_margin
+    from lowprec.accuracy._baseline import build_baseline
+    from lowprec.accuracy._judge import candidate_mean_curve, metric_margin
 
     b = build_baseline("bank", ref, criteria=criteria)
     out = {}
@@ -96,7 +96,7 @@ def main() -> None:
     p.add_argument("--criteria", metavar="FILE", help="criteria of every trial's baseline (TOML/JSON, as for "
                                                       "lowprec baseline --criteria; default: Criteria())")
     args = p.parse_args()
-    from lowprec._cli_accuracy import _criteria
+    from lowprec.cli._accuracy import _criteria
 
     criteria = _criteria(args.criteria)
     torch.set_num_threads(1)

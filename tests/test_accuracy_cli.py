@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from lowprec.accuracy._baseline import Baseline
 from lowprec.cli import main
-from lowprec.runs._baseline import Baseline
-from lowprec.runs._demo import _reusable, demo_config, run_demo
+from lowprec.cli._demo import _reusable, demo_config, run_demo
 from lowprec.runs._store import RunStore
 
 STEPS = 120

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from lowprec._parse import MAX_NESTING, parse_json, parse_toml
+from lowprec.accuracy._baseline import Baseline, RunData, build_baseline
 from lowprec.cli import main
-from lowprec.runs._baseline import Baseline, RunData, build_baseline
 from lowprec.runs._config import load
 from lowprec.runs._store import RunStore
 

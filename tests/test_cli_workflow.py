@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from lowprec import recipes
+from lowprec.accuracy._baseline import Baseline
 from lowprec.cli import main
-from lowprec.runs._baseline import Baseline
 from lowprec.runs._config import RunConfig
 from lowprec.runs._store import RunStore
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from lowprec import recipes
+from lowprec.accuracy._baseline import Baseline, RunData, build_baseline
+from lowprec.accuracy._judge import judge
 from lowprec.recipes import Fallback
-from lowprec.runs._baseline import Baseline, RunData, build_baseline
 from lowprec.runs._config import ParallelConfig, RunConfig, StatsConfig
-from lowprec.runs._judge import judge
 from lowprec.runs._parallel import World
 from lowprec.runs._runner import run_config, train
 from lowprec.runs._store import RunStore

@@ -129,8 +129,8 @@ def test_compressed_gradients_judged_against_uncompressed(ddp_runs: tuple[Path, 
     """bf16 and fp8-with-error-feedback gradient communication pass the judge against a one-process fp32 baseline
     of the same model; fp8 sends about 4x fewer bytes.  (fp8 without error feedback: its verdict is reported in
     docs/distributed.md, not asserted.)"""
-    from lowprec.runs._baseline import RunData, build_baseline
-    from lowprec.runs._judge import judge
+    from lowprec.accuracy._baseline import RunData, build_baseline
+    from lowprec.accuracy._judge import judge
 
     tmp, _ = ddp_runs
     cfg = _cfg(tmp, ddp=False, steps=120, eval_interval=30, seeds=(0, 1, 2), group="comm-baseline",

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from lowprec.accuracy._baseline import RunData, build_baseline
+from lowprec.accuracy._judge import judge
 from lowprec.cli import main
-from lowprec.runs._baseline import RunData, build_baseline
 from lowprec.runs._config import RunConfig
-from lowprec.runs._judge import judge
 from lowprec.runs._runner import resume_run, run_config
 from lowprec.runs._store import RunStore
 

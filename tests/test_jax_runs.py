@@ -21,15 +21,16 @@ import numpy as np
 import pytest
 
 from lowprec import recipes
-from lowprec.runs._baseline import RunData
+from lowprec.accuracy import judge_groups
+from lowprec.accuracy._baseline import RunData
+from lowprec.accuracy._report import write_report
+from lowprec.runs import train_baseline
 from lowprec.runs._checkpoint import checkpoint_dir, list_checkpoints
 from lowprec.runs._config import CheckpointConfig, OptimizerConfig, ParallelConfig, RunConfig
 from lowprec.runs._jax_runner import jax_train
-from lowprec.runs._report import write_report
 from lowprec.runs._resume import Candidate, choose
 from lowprec.runs._runner import resume_run, run_config, train
 from lowprec.runs._store import RunStore
-from lowprec.runs._workflow import judge_groups, run_baseline
 from lowprec.runs.zoo import get_task
 from lowprec.testing.tolerances import (
     JAX_VS_TORCH_EMULATED_LOSS_REL,
@@ -50,7 +51,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     cfg = RunConfig(model="mlp-digits", steps=STEPS, eval_interval=40, threads=1, store=str(path), seeds=(0,))
     jax_cfg = dataclasses.replace(cfg, framework="jax")
     with RunStore(path) as store:
-        baseline = run_baseline(cfg, name="fp32-torch", store=store, seeds=3, progress=False)
+        baseline = train_baseline(cfg, name="fp32-torch", store=store, seeds=3, progress=False)
         out = {
             "store": store, "baseline": baseline, "cfg": cfg,
             "jax_fp32": run_config(jax_cfg, store=store, progress=False)[0],
@@ -142,7 +143,7 @@ def gpt(tmp_path_factory: pytest.TempPathFactory):
                                       checkpoint=CheckpointConfig(interval=10))
     with RunStore(path) as store:
         out = {"store": store, "cfg": cfg, "jax_cfg": jax_cfg, "jax_fp8_cfg": jax_fp8_cfg,
-               "baseline": run_baseline(cfg, name="gpt-fp32-torch", store=store, seeds=3, progress=False)}
+               "baseline": train_baseline(cfg, name="gpt-fp32-torch", store=store, seeds=3, progress=False)}
         out["jax_fp32"] = run_config(jax_cfg, store=store, progress=False)[0]
         out["jax_bad"] = run_config(dataclasses.replace(jax_cfg, name="jax lr/3", optimizer=OptimizerConfig(lr=1e-3)),
                                     store=store, progress=False)[0]

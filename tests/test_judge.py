@@ -18,9 +18,9 @@ import pytest
 import scipy.signal
 import scipy.stats
 
-from lowprec.runs._baseline import Baseline, RunData, build_baseline
-from lowprec.runs._judge import judge
-from lowprec.runs._stats import Criteria, find_spike, pooled_std, smooth, worse_test
+from lowprec.accuracy._baseline import Baseline, RunData, build_baseline
+from lowprec.accuracy._judge import judge
+from lowprec.accuracy._stats import Criteria, find_spike, pooled_std, smooth, worse_test
 
 STEPS = 400
 METRICS = {"loss": "min", "accuracy": "max"}

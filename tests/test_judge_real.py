@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lowprec.runs._baseline import RunData
-from lowprec.runs._calibrate import fail_rate
+from lowprec.accuracy._baseline import RunData
+from lowprec.accuracy._calibrate import fail_rate
 from lowprec.runs._config import OptimizerConfig, RunConfig
 from lowprec.runs._runner import run_config
 from lowprec.runs._store import RunStore
@@ -37,7 +37,7 @@ def test_false_alarms_and_detection_on_real_runs(tmp_path: Path) -> None:
 
 def test_clopper_pearson_interval_by_hand() -> None:
     """0 of n: the exact upper bound solves (1 - p)^n = 0.025; n of n mirrors it."""
-    from lowprec.runs._calibrate import ErrorRate
+    from lowprec.accuracy._calibrate import ErrorRate
 
     lo, hi = ErrorRate(trials=100, fails=0, by_criterion={}).interval()
     assert lo == 0.0 and abs(hi - (1 - 0.025 ** (1 / 100))) < 1e-12

@@ -18,10 +18,10 @@ import torch
 from _faulty_tasks import NanGrad, Overflow
 from torch import nn
 
+from lowprec.accuracy._baseline import RunData, build_baseline
+from lowprec.accuracy._judge import judge
 from lowprec.numerics import localize_nonfinite, nonfinite_summary
-from lowprec.runs._baseline import RunData, build_baseline
 from lowprec.runs._config import RunConfig
-from lowprec.runs._judge import judge
 from lowprec.runs._runner import run_config
 from lowprec.runs._store import RunStore
 

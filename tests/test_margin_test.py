@@ -16,9 +16,9 @@ import pytest
 import scipy.stats
 from test_judge import trial
 
-from lowprec.runs._judge import judge
-from lowprec.runs._plan import plan
-from lowprec.runs._stats import margin_test, seeds_needed
+from lowprec.accuracy._judge import judge
+from lowprec.accuracy._plan import plan
+from lowprec.accuracy._stats import margin_test, seeds_needed
 
 
 @pytest.mark.parametrize("direction", ["min", "max"])

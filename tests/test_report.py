@@ -28,9 +28,9 @@ import pytest
 from test_judge import STEPS, make_run
 
 from lowprec import recipes
-from lowprec.runs._baseline import Baseline, RunData, build_baseline
-from lowprec.runs._judge import CriterionResult, Verdict, candidate_mean_curve, curve_band, judge
-from lowprec.runs._report import (
+from lowprec.accuracy._baseline import Baseline, RunData, build_baseline
+from lowprec.accuracy._judge import CriterionResult, Verdict, candidate_mean_curve, curve_band, judge
+from lowprec.accuracy._report import (
     MEAN_COLOR,
     display_range,
     flatten,
@@ -39,8 +39,8 @@ from lowprec.runs._report import (
     recipe_diff,
     write_report,
 )
-from lowprec.runs._stats import smooth
-from lowprec.runs._svg import PALETTE, fit_text, text_width
+from lowprec.accuracy._stats import smooth
+from lowprec.accuracy._svg import PALETTE, fit_text, text_width
 
 HOSTILE = '<script>alert("x")</script> & co'
 SVG_NS = "{http://www.w3.org/2000/svg}"

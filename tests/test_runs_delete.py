@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from lowprec.accuracy._workflow import select_runs
 from lowprec.cli import main
 from lowprec.runs._checkpoint import checkpoint_dir
 from lowprec.runs._store import RunStore
-from lowprec.runs._workflow import select_runs
 
 STEPS = 30
 GROUP = "mlp-digits fp32"

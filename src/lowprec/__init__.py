@@ -11,6 +11,7 @@ from . import _lazy
 from . import formats as formats
 from . import quant as quant
 from . import recipes as recipes
+from ._errors import UsageError as UsageError
 from ._version import __version__ as __version__
 from .formats import FormatSpec as FormatSpec
 from .quant import QuantSpec as QuantSpec
@@ -30,6 +31,7 @@ __all__ = [
     "FormatSpec",
     "QuantSpec",
     "Recipe",
+    "UsageError",
     "__version__",
     "convert",
     "dequantize",

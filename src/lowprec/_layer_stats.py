@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._errors import UsageError
+
 PREFIX = "stats/"
 
 
@@ -79,13 +81,13 @@ def worst_layers(records: list[dict[str, Any]], *, key: str = "sqnr_db", n: int 
     the recipe's spec are ranked, or those of what-if ``what_if``; for "sqnr_db" unquantized tensors (SQNR inf at
     every step) are left out."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be a positive int; got {n!r}")
+        raise UsageError(f"n must be a positive int; got {n!r}")
     values: dict[tuple[str, str], list[float]] = {}
     for r in records:
         if r.get("what_if") != what_if:
             continue
         if key not in r["stats"]:
-            raise ValueError(f"key {key!r} is not a statistic of the records; they have {sorted(r['stats'])}")
+            raise UsageError(f"key {key!r} is not a statistic of the records; they have {sorted(r['stats'])}")
         values.setdefault((r["module"], r["role"]), []).append(float(r["stats"][key]))
     lower = key in _LOWER_IS_WORSE
     rows = [LayerStat(m, role, float(np.mean(v)), len(v)) for (m, role), v in values.items()]

@@ -14,6 +14,8 @@ import re
 import tomllib
 from typing import Any
 
+from ._errors import UsageError
+
 __all__ = ["MAX_NESTING", "parse_json", "parse_toml"]
 
 MAX_NESTING = 64
@@ -34,8 +36,8 @@ _TOML_TOKENS = re.compile(
 )
 
 
-def _too_deep(where: str) -> ValueError:
-    return ValueError(f"{where} is nested too deeply (more than {MAX_NESTING} levels of arrays or tables); a "
+def _too_deep(where: str) -> UsageError:
+    return UsageError(f"{where} is nested too deeply (more than {MAX_NESTING} levels of arrays or tables); a "
                       f"config, recipe, criteria or baseline file needs only a few")
 
 
@@ -74,7 +76,7 @@ def parse_toml(text: str, *, where: str) -> dict[str, Any]:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{where}: not valid TOML: {e}") from None
+        raise UsageError(f"{where}: not valid TOML: {e}") from None
     except RecursionError:
         raise _too_deep(where) from None
     _check_data_nesting(data, where)
@@ -88,7 +90,7 @@ def parse_json(text: str, *, where: str) -> Any:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON: {e}") from None
+        raise UsageError(f"{where}: not valid JSON: {e}") from None
     except RecursionError:
         raise _too_deep(where) from None
     _check_data_nesting(data, where)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from ._errors import UsageError
 from .runs._config import RunConfig, load
 from .runs._parallel import World, init_world
 from .runs._runner import train
@@ -44,13 +45,13 @@ def _config(path: str, store: str | None) -> RunConfig:
             with open(path, encoding="utf-8") as f:
                 config = RunConfig.from_dict(json.load(f), where=path)
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read config {path!r}: {e}") from None
+            raise UsageError(f"cannot read config {path!r}: {e}") from None
     else:
         config = load(path)
     if store:
         config = RunConfig.from_dict({**config.to_dict(), "store": store}, where=path)
     if config.parallel.strategy == "single":
-        raise ValueError(f"{path}: parallel.strategy is 'single'; set it to 'ddp', 'fsdp2' or 'hsdp' to train "
+        raise UsageError(f"{path}: parallel.strategy is 'single'; set it to 'ddp', 'fsdp2' or 'hsdp' to train "
                          "under torchrun")
     return config
 

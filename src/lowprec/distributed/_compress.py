@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._errors import UsageError
 from ..quant import QuantSpec
 from ..quant._random import stream_seed
 from ..quant._validate import check_bool
@@ -87,7 +88,7 @@ class CompressState:
     ) -> None:
         self.spec = resolve_spec(spec, rounding)
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 64:
-            raise ValueError(f"seed must be an int in [0, 2**64); got {seed!r}")
+            raise UsageError(f"seed must be an int in [0, 2**64); got {seed!r}")
         self.seed = seed
         self.error_feedback = check_bool(error_feedback, "error_feedback")
         self.process_group = process_group
@@ -129,7 +130,7 @@ class CompressState:
             return None
         sizes = [p.numel() for p in params]
         if sum(sizes) != g.numel():
-            raise ValueError(f"bucket of {g.numel()} elements holds parameters of {sum(sizes)}: cannot map residuals")
+            raise UsageError(f"bucket of {g.numel()} elements holds parameters of {sum(sizes)}: cannot map residuals")
         parts = [self.residuals.get(id(p)) for p in params]
         if all(r is None for r in parts):
             return None

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from .. import recipes
+from .._errors import UsageError
 from ..nn import EmulatedLinear, convert
 from ..quant import QuantSpec
 from ..recipes import LinearRecipe, Operand, Recipe
@@ -67,7 +68,7 @@ def _linear_recipe(recipe: Recipe | LinearRecipe | str) -> LinearRecipe:
         return recipe
     if isinstance(recipe, (Recipe, str)):
         return recipes.get(recipe).linear
-    raise ValueError(f"recipe must be a Recipe, a LinearRecipe or a recipe name; got {type(recipe).__name__}")
+    raise UsageError(f"recipe must be a Recipe, a LinearRecipe or a recipe name; got {type(recipe).__name__}")
 
 
 def _elementwise_float(op: Operand) -> str | None:
@@ -108,7 +109,7 @@ def gather_spec(recipe: LinearRecipe, *, lowp_all_gather: bool | None, where: st
     if not lowp_all_gather:
         return None
     if fwd.spec is None:
-        raise ValueError(f"{where}: lowp_all_gather=True but forward.b (the weight) is not quantized "
+        raise UsageError(f"{where}: lowp_all_gather=True but forward.b (the weight) is not quantized "
                          "(LinearRecipe.forward.b.spec is None); use lowp_all_gather=None or False")
     check_gather_spec(fwd.spec, f"{where}: LinearRecipe.forward.b.spec")
     return fwd.spec
@@ -125,7 +126,7 @@ def _wrap_weight(mod: EmulatedLinear, name: str, spec: QuantSpec, world: int, st
                    "padded shards cannot carry scales); use out_features divisible by the world size")
     if problem is not None:
         if explicit:
-            raise ValueError(f"lowp_all_gather=True cannot gather module {name!r}: {problem}; "
+            raise UsageError(f"lowp_all_gather=True cannot gather module {name!r}: {problem}; "
                              "or pass lowp_all_gather=None")
         return False
     mod.weight = nn.Parameter(LowpGatherWeight(w.detach(), spec, stats), requires_grad=w.requires_grad)
@@ -151,12 +152,12 @@ def shard_model(model: nn.Module, recipe: Recipe | str, *, mesh: Any = None, res
     """
     rec = recipes.get(recipe)
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("shard_model needs an initialised process group: call "
+        raise UsageError("shard_model needs an initialised process group: call "
                          "torch.distributed.init_process_group('gloo') first (e.g. under torchrun)")
     if lowp_all_gather not in (None, True, False):
-        raise ValueError(f"lowp_all_gather must be None, True or False; got {lowp_all_gather!r}")
+        raise UsageError(f"lowp_all_gather must be None, True or False; got {lowp_all_gather!r}")
     if isinstance(model, FSDPModule):
-        raise ValueError("model is already sharded (an FSDPModule); call shard_model once, on the unsharded model")
+        raise UsageError("model is already sharded (an FSDPModule); call shard_model once, on the unsharded model")
     if not any(isinstance(m, EmulatedLinear) for m in model.modules()):
         convert(model, rec)
     if mesh is None:
@@ -197,7 +198,7 @@ class _State:
 def _state(model: nn.Module) -> _State:
     st = getattr(model, "_lowprec_fsdp", None)
     if not isinstance(st, _State):
-        raise ValueError("model was not sharded with lowprec.distributed.shard_model")
+        raise UsageError("model was not sharded with lowprec.distributed.shard_model")
     return st
 
 
@@ -240,7 +241,7 @@ def sync_amax_histories(model: nn.Module, group: dist.ProcessGroup | None = None
     if not hists:
         return 0
     if not dist.is_initialized():
-        raise ValueError("sync_amax_histories needs an initialised process group")
+        raise UsageError("sync_amax_histories needs an initialised process group")
     flat = torch.cat([h.reshape(-1) for h in hists])
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     i = 0

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from .._errors import UsageError
 from ..quant import QuantSpec, _codec, dequantize, quantize_scaled
 from ..quant._round import quantize_f32
 from ..quant._scale import group_scale, uses_multiplier
@@ -55,18 +56,18 @@ class GatherStats:
 def check_gather_spec(spec: QuantSpec, where: str) -> None:
     """Raise ``ValueError`` unless ``spec`` can be applied shard by shard with the full weight's result."""
     if spec.rounding != "nearest":
-        raise ValueError(f"{where}: a low-precision all-gather needs rounding='nearest' (shards must round the same "
+        raise UsageError(f"{where}: a low-precision all-gather needs rounding='nearest' (shards must round the same "
                          f"on every step); got rounding={spec.rounding!r}; use lowp_all_gather=False")
     if spec.tensor_scale:
-        raise ValueError(f"{where}: two-level scales (NVFP4) are not supported by the low-precision all-gather; "
+        raise UsageError(f"{where}: two-level scales (NVFP4) are not supported by the low-precision all-gather; "
                          "use lowp_all_gather=False")
     if spec.scaling in ("block", "axis") and spec.axis not in (-1, 1):
-        raise ValueError(f"{where}: scaling={spec.scaling!r} needs axis=-1 (groups inside a row, which row "
+        raise UsageError(f"{where}: scaling={spec.scaling!r} needs axis=-1 (groups inside a row, which row "
                          f"sharding never splits); got axis={spec.axis}; use lowp_all_gather=False")
     if spec.scaling == "tile":
-        raise ValueError(f"{where}: tile scaling spans rows that FSDP shards apart; use lowp_all_gather=False")
+        raise UsageError(f"{where}: tile scaling spans rows that FSDP shards apart; use lowp_all_gather=False")
     if spec.scaling != "none" and _codec.torch_dtype(spec.scale_spec) is None:
-        raise ValueError(f"{where}: scale format {spec.scale_spec.name} has no torch storage dtype; "
+        raise UsageError(f"{where}: scale format {spec.scale_spec.name} has no torch storage dtype; "
                          "use lowp_all_gather=False")
 
 

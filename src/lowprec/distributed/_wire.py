@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from .._errors import UsageError
 from ..quant import QuantSpec, _codec, dequantize, quantize, quantize_scaled
 from ..quant._scale import group_scale, uses_multiplier
 from ..quant._scaled import TwoLevelScales
@@ -79,7 +80,7 @@ def unpack(
 ) -> tuple[torch.Tensor, torch.Tensor | TwoLevelScales | None]:
     """Inverse of ``pack`` for a bucket of ``numel`` elements: ``(codes, scales)`` (views or small copies)."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != wire_nbytes(numel, spec):
-        raise ValueError(
+        raise UsageError(
             f"a message for {numel} elements of {spec.format.name} must be {wire_nbytes(numel, spec)} uint8 bytes; "
             f"got {buf.numel()} {buf.dtype} in {buf.dim()} dimension(s)"
         )
@@ -128,7 +129,7 @@ class BucketCodec:
         v = g
         if spec.scaling == "tensor":
             if amax is None:
-                raise ValueError("a shared-scale spec needs the bucket's global amax")
+                raise UsageError("a shared-scale spec needs the bucket's global amax")
             f, _, mul = self._tensor_scales(amax)
             v = g * f if mul else g / f
         # ``quantize`` (not ``quantize_scaled``): the same bits, and it has the eager round-to-nearest fast path
@@ -146,5 +147,5 @@ class BucketCodec:
         if spec.scaling == "none":
             return q
         if amax is None:
-            raise ValueError("a shared-scale spec needs the bucket's global amax")
+            raise UsageError("a shared-scale spec needs the bucket's global amax")
         return q * self._tensor_scales(amax)[1]

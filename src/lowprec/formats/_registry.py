@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from .._errors import UsageError
 from ._spec import FormatSpec
 
 _EXMY = re.compile(r"^(?:float(\d+)_)?e(\d)m(\d{1,2})(fn|fnuz)?$")
@@ -48,7 +49,7 @@ def get(name: str | FormatSpec) -> FormatSpec:
     if isinstance(name, FormatSpec):
         return name
     if not isinstance(name, str):
-        raise ValueError(f"format must be a name or a FormatSpec, got {type(name).__name__}")
+        raise UsageError(f"format must be a name or a FormatSpec, got {type(name).__name__}")
     if name in _FORMATS:
         return _FORMATS[name]
     m = _EXMY.match(name)
@@ -64,7 +65,7 @@ def get(name: str | FormatSpec) -> FormatSpec:
                 problem = f"format {name!r} cannot be built: {e}"
     else:
         problem = f"unknown format {name!r}"
-    raise ValueError(
+    raise UsageError(
         f"{problem}; valid names: {', '.join(_FORMATS)} "
         "(or an ExMy name such as 'e3m4' or 'e5m6fn', or FormatSpec.custom(ebits, mbits))"
     )

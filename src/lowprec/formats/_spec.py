@@ -35,6 +35,8 @@ import dataclasses
 import math
 from typing import Literal
 
+from .._errors import UsageError
+
 Special = Literal["ieee", "fn", "fnuz", "finite"]
 Kind = Literal["float", "int"]
 _SPECIALS = ("ieee", "fn", "fnuz", "finite")
@@ -67,32 +69,32 @@ class FormatSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in ("float", "int"):
-            raise ValueError(f"FormatSpec.kind must be 'float' or 'int', got {self.kind!r}")
+            raise UsageError(f"FormatSpec.kind must be 'float' or 'int', got {self.kind!r}")
         if self.special not in _SPECIALS:
-            raise ValueError(f"FormatSpec.special must be one of {_SPECIALS}, got {self.special!r}")
+            raise UsageError(f"FormatSpec.special must be one of {_SPECIALS}, got {self.special!r}")
         if self.kind == "int":
             if not 2 <= self.mbits + 1 <= 24:
-                raise ValueError(f"integer format bits must be in [2, 24], got {self.mbits + 1}")
+                raise UsageError(f"integer format bits must be in [2, 24], got {self.mbits + 1}")
             if not 0 <= self.frac_bits <= 24:
-                raise ValueError(f"FormatSpec.frac_bits must be in [0, 24], got {self.frac_bits}")
+                raise UsageError(f"FormatSpec.frac_bits must be in [0, 24], got {self.frac_bits}")
             return
         if not 1 <= self.ebits <= 8:
-            raise ValueError(
+            raise UsageError(
                 f"FormatSpec.ebits must be in [1, 8] so values fit float32, got {self.ebits}"
             )
         if not 0 <= self.mbits <= 23:
-            raise ValueError(f"FormatSpec.mbits must be in [0, 23] so values fit float32, got {self.mbits}")
+            raise UsageError(f"FormatSpec.mbits must be in [0, 23] so values fit float32, got {self.mbits}")
         if self.mbits == 0 and (self.signed or self.special != "fn"):
-            raise ValueError(
+            raise UsageError(
                 "an exponent-only format (mbits=0) must be unsigned with special='fn' (like float8_e8m0fnu)"
             )
         if self.mbits > 0 and not self.signed:
-            raise ValueError("unsigned formats are only supported without mantissa bits (like float8_e8m0fnu)")
+            raise UsageError("unsigned formats are only supported without mantissa bits (like float8_e8m0fnu)")
         if self.special == "fnuz" and not self.signed:
-            raise ValueError("special='fnuz' needs a sign bit: its NaN is the negative-zero pattern")
+            raise UsageError("special='fnuz' needs a sign bit: its NaN is the negative-zero pattern")
         # The format must sit inside float32: smallest step >= 2^-149, largest exponent <= 127.
         if self.emin - self.mbits < -149 or self.emax > 127:
-            raise ValueError(
+            raise UsageError(
                 f"format e{self.ebits}m{self.mbits} with bias {self.bias} does not fit inside float32 "
                 f"(emin={self.emin}, emax={self.emax}); choose a bias in [{self._bias_range()[0]}, "
                 f"{self._bias_range()[1]}]"
@@ -124,11 +126,11 @@ class FormatSpec:
         """
         for field, v in (("ebits", ebits), ("mbits", mbits)):
             if not isinstance(v, int) or isinstance(v, bool):
-                raise ValueError(f"FormatSpec.custom: {field} must be an int, got {v!r}")
+                raise UsageError(f"FormatSpec.custom: {field} must be an int, got {v!r}")
         if bias is None:
             bias = (1 << (ebits - 1)) - 1 if ebits >= 1 else 0
         if mbits < 1:
-            raise ValueError("FormatSpec.custom: mbits must be >= 1 (exponent-only formats: use float8_e8m0fnu)")
+            raise UsageError("FormatSpec.custom: mbits must be >= 1 (exponent-only formats: use float8_e8m0fnu)")
         bits = 1 + ebits + mbits
         suffix = {"ieee": "", "fn": "fn", "fnuz": "fnuz", "finite": "fn"}[special]
         default = f"float{bits}_e{ebits}m{mbits}{suffix}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from .._errors import UsageError
 from ..formats import FormatSpec
 from ..quant._storage import code_value
 from ._bits import INF, bits
@@ -58,7 +59,7 @@ def storage_dtype(fmt: FormatSpec):
             return dt
         if fmt.bits <= 8:
             return jnp.uint8
-    raise ValueError(f"no JAX dtype stores the format {fmt.name}; use fake_quantize")
+    raise UsageError(f"no JAX dtype stores the format {fmt.name}; use fake_quantize")
 
 
 def encode(q: jnp.ndarray, fmt: FormatSpec) -> jnp.ndarray:
@@ -125,7 +126,7 @@ def decode(codes: jnp.ndarray, fmt: FormatSpec) -> jnp.ndarray:
     """float32 values of ``encode``'s storage."""
     dt = jnp.dtype(storage_dtype(fmt))
     if codes.dtype != dt:
-        raise ValueError(f"codes for {fmt.name} must have dtype {dt}; got {codes.dtype}")
+        raise UsageError(f"codes for {fmt.name} must have dtype {dt}; got {codes.dtype}")
     if fmt.kind == "int":
         return codes.astype(jnp.float32) * float(2.0**-fmt.frac_bits)
     if dt == jnp.uint8:

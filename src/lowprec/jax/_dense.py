@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import formats
+from .._errors import UsageError
 from ..quant._random_py import stream_seed
 from ..recipes import Gemm, LinearRecipe, Operand
 from ..recipes._recipe import GEMMS as GEMMS  # re-exported: tests/test_jax_train.py reads _dense.GEMMS
@@ -60,7 +61,7 @@ def delayed_roles(lin: LinearRecipe) -> dict[str, tuple[int, str]]:
         role = ROLE[(g, o)]
         n, alg = out.get(role, (0, op.scaling.algorithm))
         if alg != op.scaling.algorithm:
-            raise ValueError(
+            raise UsageError(
                 f"delayed scaling of the {role} uses two amax algorithms ({alg!r} and {op.scaling.algorithm!r}) in "
                 "different GEMMs; the history is shared per tensor role, so use one algorithm per role"
             )
@@ -183,16 +184,16 @@ _linear2d.defvjp(_linear2d_fwd, _linear2d_bwd)
 
 def _check_call(recipe: object, state: State | None, step: object) -> tuple[LinearRecipe, State]:
     if not isinstance(recipe, LinearRecipe):
-        raise ValueError(f"recipe must be a lowprec.LinearRecipe (e.g. Recipe.linear); got {type(recipe).__name__}")
+        raise UsageError(f"recipe must be a lowprec.LinearRecipe (e.g. Recipe.linear); got {type(recipe).__name__}")
     roles = delayed_roles(recipe)
     state = {} if state is None else dict(state)
     if set(state) != set(roles):
-        raise ValueError(
+        raise UsageError(
             f"state must hold the amax histories {sorted(roles)} of this recipe; got {sorted(state)}: "
             "create it with lowprec.jax.init_state(recipe)"
         )
     if step is None and is_stochastic(recipe):
-        raise ValueError("this recipe rounds some operand stochastically: pass step=<training step, from 1>")
+        raise UsageError("this recipe rounds some operand stochastically: pass step=<training step, from 1>")
     return recipe, state
 
 
@@ -246,7 +247,7 @@ def dot_general(
     For batch dimensions, ``jax.vmap`` over them."""
     (lc, rc), (lb, rb) = dimension_numbers
     if lb or rb:
-        raise ValueError("lowprec.jax.dot_general has no batch dimensions; jax.vmap over them instead")
+        raise UsageError("lowprec.jax.dot_general has no batch dimensions; jax.vmap over them instead")
     lc = tuple(d % lhs.ndim for d in lc)
     rc = tuple(d % rhs.ndim for d in rc)
     lf = [d for d in range(lhs.ndim) if d not in lc]

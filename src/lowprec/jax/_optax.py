@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import formats, recipes
+from .._errors import UsageError
 from ..quant._random_py import stream_seed
 from ..quant._spec import QuantSpec
 from ..recipes import Recipe
@@ -78,17 +79,17 @@ class LowPrecisionOptimizer:
 
     def __init__(self, inner: Any, recipe: Recipe | str) -> None:
         if not hasattr(inner, "init") or not hasattr(inner, "update"):
-            raise ValueError(f"inner must be an optax.GradientTransformation; got {type(inner).__name__}")
+            raise UsageError(f"inner must be an optax.GradientTransformation; got {type(inner).__name__}")
         self.inner = inner
         self.recipe = recipes.get(recipe)
         if self.recipe.loss_scaling.kind != "none":
-            raise ValueError(
+            raise UsageError(
                 f"recipe {self.recipe.name!r} uses loss scaling, which lowprec.jax does not implement; "
                 "use a recipe with loss_scaling kind='none' (or scale the loss yourself)"
             )
         grad = self.recipe.optimizer.grad
         if grad is not None and grad.rounding == "stochastic":
-            raise ValueError("OptimizerState.grad with stochastic rounding is not supported in lowprec.jax")
+            raise UsageError("OptimizerState.grad with stochastic rounding is not supported in lowprec.jax")
         self.update_kind = self.recipe.weights.update
         self.format = formats.get(self.recipe.weights.format)
 
@@ -118,7 +119,7 @@ class LowPrecisionOptimizer:
             return None
         n = getattr(self, "_leaves", None)
         if n is None:
-            raise ValueError("call init(params) before step_keys(step)")
+            raise UsageError("call init(params) before step_keys(step)")
         seeds = [stream_seed(self.recipe.seed, "weight-update", str(step), str(i)) for i in range(n)]
         return jnp.stack([_random.key_array(s) for s in seeds])
 
@@ -138,7 +139,7 @@ class LowPrecisionOptimizer:
             new = jax.tree_util.tree_map(lambda a: self._round(a).astype(a.dtype), after)
         elif self.update_kind == "stochastic":
             if keys is None:
-                raise ValueError("Weights.update='stochastic' needs keys=opt.step_keys(step)")
+                raise UsageError("Weights.update='stochastic' needs keys=opt.step_keys(step)")
             leaves, tree = jax.tree_util.tree_flatten(after)
             new = jax.tree_util.tree_unflatten(tree, [self._stochastic(a, keys[i]) for i, a in enumerate(leaves)])
         elif self.update_kind == "kahan":

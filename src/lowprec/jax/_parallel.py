@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .._errors import UsageError
 from ..quant._random_py import stream_seed
 from ..quant._spec import QuantSpec
 from ..quant._spec_args import resolve_spec
@@ -63,7 +64,7 @@ def comm_spec(grad_comm: GradComm | None) -> QuantSpec | None:
     if grad_comm is None:
         return None
     if not isinstance(grad_comm, GradComm):
-        raise ValueError(f"grad_comm must be a lowprec.GradComm (Recipe.grad_comm) or None; got "
+        raise UsageError(f"grad_comm must be a lowprec.GradComm (Recipe.grad_comm) or None; got "
                          f"{type(grad_comm).__name__}")
     return resolve_spec(grad_comm.spec, grad_comm.rounding)
 
@@ -144,10 +145,10 @@ def data_parallel(
         ``keys`` from ``comm_keys`` for a stochastic wire.
     """
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+        raise UsageError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
     axis = axis_name or (mesh.axis_names[0] if len(mesh.axis_names) == 1 else None)
     if axis is None or axis not in mesh.axis_names:
-        raise ValueError(f"axis_name must name one of the mesh axes {mesh.axis_names}; got {axis_name!r}")
+        raise UsageError(f"axis_name must name one of the mesh axes {mesh.axis_names}; got {axis_name!r}")
     spec = comm_spec(grad_comm)
     stochastic = spec is not None and spec.rounding == "stochastic"
     explicit = mesh.axis_types[mesh.axis_names.index(axis)] == AxisType.Explicit
@@ -169,7 +170,7 @@ def data_parallel(
     @jax.jit
     def step(params: Any, batch: Any, comm_state: CommState, keys: jax.Array | None = None):
         if stochastic and keys is None:
-            raise ValueError("grad_comm rounds stochastically: pass keys=comm_keys(grad_comm, seed=..., step=..., "
+            raise UsageError("grad_comm rounds stochastically: pass keys=comm_keys(grad_comm, seed=..., step=..., "
                              "world=...)")
         sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(axis), P(axis), P(axis)),
                                 out_specs=(P(), P(), P(axis)), check_vma=False)

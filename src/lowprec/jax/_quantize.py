@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import formats
+from .._errors import UsageError
 from ..formats import FormatSpec
 from ..quant._validate import Rounding, check_bool, check_offset, check_rounding, check_seed
 from . import _random
@@ -33,10 +34,10 @@ def check_array(x: object, name: str = "x") -> jax.Array:
     if isinstance(x, np.ndarray):
         x = jnp.asarray(x)
     if not isinstance(x, jax.Array):
-        raise ValueError(f"{name} must be a jax.Array; got {type(x).__name__}")
+        raise UsageError(f"{name} must be a jax.Array; got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         hint = "; call .astype(jnp.float32) first" if x.dtype == jnp.float64 else ""
-        raise ValueError(f"{name} must be a float32, bfloat16 or float16 array; got dtype {x.dtype}{hint}")
+        raise UsageError(f"{name} must be a float32, bfloat16 or float16 array; got dtype {x.dtype}{hint}")
     return x
 
 
@@ -49,7 +50,7 @@ def stochastic_args(
     if rounding != "stochastic":
         return None, None
     if seed is None:
-        raise ValueError(
+        raise UsageError(
             "rounding='stochastic' in lowprec.jax needs seed=<int in [0, 2**64)>: JAX has no global random state "
             "to draw one from"
         )

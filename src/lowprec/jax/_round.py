@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from .._errors import UsageError
 from ..formats import FormatSpec
 from ._bits import ABS, INF, QNAN, SIGN, bits, const_bits, f32, make_float
 
@@ -46,13 +47,13 @@ def round_magnitude(
         up = rem != 0
     elif rounding == "stochastic":
         if rbits is None:
-            raise ValueError("stochastic rounding needs random bits")
+            raise UsageError("stochastic rounding needs random bits")
         u = (rbits.astype(jnp.uint32) >> 1).astype(jnp.int32)  # 31 random bits
         thr_exact = jnp.left_shift(rem, jnp.clip(31 - d, 0, 31))
         thr_trunc = sig >> jnp.clip(d - 31, 0, 31)
         up = u < jnp.where(d <= 31, thr_exact, thr_trunc)
     else:
-        raise ValueError(f"rounding must be 'nearest', 'stochastic' or 'toward_zero', got {rounding!r}")
+        raise UsageError(f"rounding must be 'nearest', 'stochastic' or 'toward_zero', got {rounding!r}")
     if up is not None:
         n = n + up.astype(jnp.int32)
     big_e = jnp.maximum(eff_e - 127, emin)

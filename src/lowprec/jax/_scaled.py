@@ -19,6 +19,7 @@ from typing import TypeAlias
 import jax
 import jax.numpy as jnp
 
+from .._errors import UsageError
 from ..quant._scale_rules import TwoLevelScales as TwoLevelScales
 from ..quant._scale_rules import uses_multiplier
 from ..quant._spec import QuantSpec
@@ -104,9 +105,9 @@ def fake_quantize_traced(
     if spec.rounding != "stochastic":
         keys = None
     elif keys is None:
-        raise ValueError("a stochastic-rounding spec needs random keys")
+        raise UsageError("a stochastic-rounding spec needs random keys")
     if amax is not None and spec.scaling != "tensor":
-        raise ValueError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
+        raise UsageError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
     off = None if keys is None else jnp.uint32(0)
     q, eff, _, _ = _core(x, keys, off, spec, amax)
     return _groups.ungroup(mul_fast(q, eff), spec, x.shape)
@@ -144,7 +145,7 @@ def quantize_scaled(
     keys, off = stochastic_args(spec.rounding, seed, offset, x.size)
     _codec.storage_dtype(spec.format)  # raises for formats without a JAX dtype
     if _codec.jax_dtype(spec.scale_spec) is None:
-        raise ValueError(f"no JAX dtype stores scale format {spec.scale_spec.name}; use fake_quantize")
+        raise UsageError(f"no JAX dtype stores scale format {spec.scale_spec.name}; use fake_quantize")
     return _scaled_kernel(x, keys, off, spec=spec)
 
 
@@ -164,7 +165,7 @@ def dequantize(
     spec = _resolve(spec)
     elems = _codec.decode(codes, spec.format)
     if shape is not None and tuple(elems.shape) != tuple(shape):
-        raise ValueError(f"codes decode to shape {tuple(elems.shape)}, not the given shape {tuple(shape)}")
+        raise UsageError(f"codes decode to shape {tuple(elems.shape)}, not the given shape {tuple(shape)}")
     if isinstance(scales, TwoLevelScales):
         s = mul_fast(_groups.scales_in(scales.group.astype(jnp.float32), spec), scales.tensor.astype(jnp.float32))
     else:

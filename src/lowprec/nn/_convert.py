@@ -8,6 +8,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .. import recipes
+from .._errors import UsageError
 from ..recipes import LinearRecipe, Recipe
 from ._linear import EmulatedLinear
 from ._masked_inputs import mark_masked_inputs
@@ -46,17 +47,17 @@ def convert(model: nn.Module, recipe: Recipe | str, *, module_filter: ModuleFilt
     """
     recipe = recipes.get(recipe)
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        raise UsageError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     done = [n for n, m in model.named_modules() if isinstance(m, EmulatedLinear)]
     if done:
-        raise ValueError(
+        raise UsageError(
             f"model is already converted (module {done[0] or '<root>'!r} is an EmulatedLinear); "
             "call lowprec.unconvert(model) first"
         )
     names = [n for n, _ in model.named_modules()]
     for pattern, _ in recipe.overrides:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            raise ValueError(
+            raise UsageError(
                 f"recipe {recipe.name!r} has an override for {pattern!r}, which matches no module of this model; "
                 f"module names are: {', '.join(n for n in names if n)[:2000]}"
             )
@@ -71,10 +72,10 @@ def convert(model: nn.Module, recipe: Recipe | str, *, module_filter: ModuleFilt
             walk(child, name + ".", ancestors + [mod])
 
     if type(model) is nn.Linear:
-        raise ValueError("convert() swaps submodules; wrap a bare nn.Linear in a container (e.g. nn.Sequential)")
+        raise UsageError("convert() swaps submodules; wrap a bare nn.Linear in a container (e.g. nn.Sequential)")
     walk(model, "", [])
     if not targets:
-        raise ValueError(
+        raise UsageError(
             f"recipe {recipe.name!r} converts no module of this model: it has no nn.Linear outside "
             f"keep_high_precision={list(recipe.keep_high_precision)} / keep_types={list(recipe.keep_types)} "
             "and the module_filter"
@@ -94,7 +95,7 @@ def unconvert(model: nn.Module) -> nn.Module:
     """
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, EmulatedLinear)]
     if not targets:
-        raise ValueError("model has no lowprec-converted module; nothing to unconvert")
+        raise UsageError("model has no lowprec-converted module; nothing to unconvert")
     for name, mod in targets:
         _set_child(model, name, mod.to_linear())
     if hasattr(model, "lowprec_recipe"):

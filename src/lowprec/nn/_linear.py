@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .. import formats
+from .._errors import UsageError
 from ..quant import _native_op, _random
 from ..quant import quantize as _quantize
 from ..quant._scaled import fake_quantize_tensors
@@ -60,7 +61,7 @@ def _operand(t: torch.Tensor, op: Operand, keys: torch.Tensor | None, amax: torc
     off = None
     if op.spec.rounding == "stochastic":
         if keys is None:
-            raise ValueError("a stochastic-rounding operand needs random keys")
+            raise UsageError("a stochastic-rounding operand needs random keys")
         off = torch.zeros((), dtype=torch.int32, device=t.device)
     else:
         keys = None
@@ -294,7 +295,7 @@ class EmulatedLinear(nn.Linear):
                 role = _ROLE[(g, o)]
                 self._delayed[role] = max(self._delayed.get(role, 0), op.scaling.history_len)
                 if self._algorithm.setdefault(role, op.scaling.algorithm) != op.scaling.algorithm:
-                    raise ValueError(
+                    raise UsageError(
                         f"delayed scaling of the {role} uses two amax algorithms ({self._algorithm[role]!r} and "
                         f"{op.scaling.algorithm!r}) in different GEMMs; the history is shared per tensor role, "
                         "so use one algorithm per role"

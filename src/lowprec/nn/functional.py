@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import recipes
+from .._errors import UsageError
 from ..quant import _random
 from ..recipes import Gemm, LinearRecipe, Recipe, Scaling
 from ._linear import Keys, product, quantize_operand, shares_quantization
@@ -85,12 +86,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, recipe: Recipe | LinearRecipe | str
     if isinstance(recipe, (Recipe, str)):
         recipe = recipes.get(recipe).linear
     if not isinstance(recipe, LinearRecipe):
-        raise ValueError(f"recipe must be a Recipe, a recipe name or a LinearRecipe; got {type(recipe).__name__}")
+        raise UsageError(f"recipe must be a Recipe, a recipe name or a LinearRecipe; got {type(recipe).__name__}")
     if a.dim() < 2 or b.dim() < 2:
-        raise ValueError(f"matmul needs a and b with at least 2 dimensions; got shapes {tuple(a.shape)}, "
+        raise UsageError(f"matmul needs a and b with at least 2 dimensions; got shapes {tuple(a.shape)}, "
                          f"{tuple(b.shape)}")
     if a.shape[-1] != b.shape[-2]:
-        raise ValueError(f"matmul shapes do not match: a {tuple(a.shape)} @ b {tuple(b.shape)}")
+        raise UsageError(f"matmul shapes do not match: a {tuple(a.shape)} @ b {tuple(b.shape)}")
     lin = LinearRecipe(forward=_current(recipe.forward), grad_input=_current(recipe.grad_input),
                        grad_weight=_current(recipe.grad_weight))
     keys = {(g, o): _random.key_tensor(_random.stream_seed(seed, "matmul", g, o), a.device)

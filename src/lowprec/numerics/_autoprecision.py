@@ -40,6 +40,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._errors import UsageError
 from ..quant import QuantSpec
 from ..recipes import Gemm, LinearRecipe, Operand, Recipe
 from ._sensitivity import LayerSensitivity, _check_metric, resolve_candidate
@@ -96,11 +97,11 @@ def check_budget(budget_bits: float, candidates: Sequence[str | QuantSpec | None
     candidate's ``min_bits_per_element``.  Needs no model, so ``lowprec autoprecision`` calls it before calibrating
     (``choose_precision`` checks the exact cost of the measured layers afterwards)."""
     if not candidates:
-        raise ValueError("no candidate specs: name at least one")
+        raise UsageError("no candidate specs: name at least one")
     costs = {resolve_candidate(c)[0]: min_bits_per_element(c) for c in candidates}
     cheapest = min(costs, key=lambda k: costs[k])
     if budget_bits < costs[cheapest]:
-        raise ValueError(f"budget_bits={budget_bits} is below the cheapest mix of {list(costs)} on any model: "
+        raise UsageError(f"budget_bits={budget_bits} is below the cheapest mix of {list(costs)} on any model: "
                          f"{cheapest}, the cheapest, costs at least {costs[cheapest]:g} bits per weight element, "
                          f"scales included; raise the budget (--budget-bits) to >= {costs[cheapest]:g} or add a "
                          "cheaper candidate (--candidates)")
@@ -180,10 +181,10 @@ def solve_budget(values: Sequence[Sequence[float]], costs: Sequence[Sequence[int
     even the cheapest choice of every item exceeds ``capacity``.
     """
     if len(values) != len(costs) or any(len(v) != len(c) or not v for v, c in zip(values, costs, strict=True)):
-        raise ValueError("values and costs must have one non-empty row per item, of equal lengths")
+        raise UsageError("values and costs must have one non-empty row per item, of equal lengths")
     cheapest = sum(min(c) for c in costs)
     if cheapest > capacity:
-        raise ValueError(f"the budget ({capacity} bits) is below the cheapest choice ({cheapest} bits)")
+        raise UsageError(f"the budget ({capacity} bits) is below the cheapest choice ({cheapest} bits)")
     frontier: list[tuple[int, float, tuple[int, ...]]] = [(0, 0.0, ())]
     for vals, cs in zip(values, costs, strict=True):
         nxt = sorted(((c0 + c, v0 + v, ch + (j,)) for c0, v0, ch in frontier
@@ -231,17 +232,17 @@ def choose_precision(table: Sequence[LayerSensitivity], *, budget_bits: float,
     """
     _check_metric(metric)
     if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not budget_bits > 0:
-        raise ValueError(f"budget_bits must be a positive number of bits per element; got {budget_bits!r}")
+        raise UsageError(f"budget_bits must be a positive number of bits per element; got {budget_bits!r}")
     rows: dict[str, dict[str, LayerSensitivity]] = {}
     for r in table:
         rows.setdefault(r.name, {})[r.spec] = r
     if not rows:
-        raise ValueError("table is empty: run sensitivity_table with at least one spec first")
+        raise UsageError("table is empty: run sensitivity_table with at least one spec first")
     labels = list(candidates) if candidates is not None else list(dict.fromkeys(r.spec for r in table))
     for g, by_spec in rows.items():
         missing = [c for c in labels if c not in by_spec]
         if missing:
-            raise ValueError(f"table has no row for group {g!r} with spec(s) {missing}; measure them first")
+            raise UsageError(f"table has no row for group {g!r} with spec(s) {missing}; measure them first")
     groups = list(rows)
     values = [[rows[g][c].cost(metric) for c in labels] for g in groups]
     costs = [[sum(storage_bits(resolve_candidate(c)[1], s) for s in rows[g][c].shapes) for c in labels]
@@ -252,7 +253,7 @@ def choose_precision(table: Sequence[LayerSensitivity], *, budget_bits: float,
         choice, exact = solve_budget(values, costs, capacity, max_states=max_states)
     except ValueError:
         low = sum(min(c) for c in costs) / elements
-        raise ValueError(f"budget_bits={budget_bits} is below the cheapest mix of {labels} ({low:.4g} bits per "
+        raise UsageError(f"budget_bits={budget_bits} is below the cheapest mix of {labels} ({low:.4g} bits per "
                          "element); raise the budget or add a cheaper candidate") from None
     chosen = [rows[g][labels[j]] for g, j in zip(groups, choice, strict=True)]
     return PrecisionPlan(
@@ -276,7 +277,7 @@ def uniform_plan(table: Sequence[LayerSensitivity], spec: str, *, metric: str = 
     """Every group in ``spec`` (a label present in ``table``): the uniform arm to compare a chosen mix against."""
     rows = [r for r in table if r.spec == spec]
     if not rows:
-        raise ValueError(f"table has no rows for spec {spec!r}; it has {sorted({r.spec for r in table})}")
+        raise UsageError(f"table has no rows for spec {spec!r}; it has {sorted({r.spec for r in table})}")
     cost = sum(storage_bits(resolve_candidate(spec)[1], s) for r in rows for s in r.shapes)
     elements = sum(r.params for r in rows)
     return PrecisionPlan(assignment=tuple((r.name, spec) for r in rows),
@@ -333,7 +334,7 @@ def training_probe(table: Sequence[LayerSensitivity], train_loss: Callable[[Reci
     """
     seeds = list(seeds)
     if not seeds:
-        raise ValueError("seeds must name at least one probe seed")
+        raise UsageError("seeds must name at least one probe seed")
     ref = {s: float(train_loss(None, s)) for s in seeds}
     out = []
     for row in table:

@@ -28,6 +28,7 @@ from typing import Any
 
 from torch import nn
 
+from .._errors import UsageError
 from .._layer_stats import parse_stat_key
 from ..nn import EmulatedLinear
 from ..recipes import Fallback
@@ -60,14 +61,14 @@ class FallbackController:
 
     def __init__(self, model: nn.Module, policy: Fallback, *, seed: int = 0) -> None:
         if not isinstance(policy, Fallback):
-            raise ValueError(f"policy must be a lowprec.recipes.Fallback; got {type(policy).__name__}")
+            raise UsageError(f"policy must be a lowprec.recipes.Fallback; got {type(policy).__name__}")
         self.policy = policy
         self.seed = seed
         self.target = policy.target()
         self.layers = {name or m.lowprec_name or "linear": m for name, m in model.named_modules()
                        if isinstance(m, EmulatedLinear)}
         if not self.layers:
-            raise ValueError("the model has no EmulatedLinear layers; convert it first with lowprec.convert")
+            raise UsageError("the model has no EmulatedLinear layers; convert it first with lowprec.convert")
         self.thresholds = {s: getattr(policy, s) for s in WATCHED if getattr(policy, s) is not None}
         self.streaks: dict[tuple[str, str, str], list[int]] = {}
         """(module, role, statistic) -> the steps of the current run of crossing samples."""
@@ -124,7 +125,7 @@ class FallbackController:
         layer is not in the model."""
         for module, step in decisions.items():
             if module not in self.layers:
-                raise ValueError(f"fallback state names layer {module!r}, which the model does not have")
+                raise UsageError(f"fallback state names layer {module!r}, which the model does not have")
             if module not in self.decisions:
                 self._swap(module)
                 self.decisions[module] = int(step)

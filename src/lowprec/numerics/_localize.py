@@ -65,6 +65,8 @@ from torch import nn
 from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
+from .._errors import UsageError
+
 Phase = Literal["forward", "loss", "backward"]
 
 
@@ -401,9 +403,9 @@ def localize_nonfinite(model: nn.Module, run_step: Callable[[], torch.Tensor | N
             print(loc.describe())   # e.g. "output of module 'layers.1' (EmulatedLinear) at step 7: ..."
     """
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        raise UsageError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     if not callable(run_step):
-        raise ValueError("run_step must be a callable running one forward and backward (and returning the loss)")
+        raise UsageError("run_step must be a callable running one forward and backward (and returning the loss)")
     loc = _Localizer(model, step)
     try:
         with _ParameterUse(loc):

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._errors import UsageError
 from .._layer_stats import LayerStat as LayerStat
 from .._layer_stats import records_from_scalars as records_from_scalars
 from .._layer_stats import stat_key
@@ -73,7 +74,7 @@ def role_spec(recipe: LinearRecipe, role: str) -> QuantSpec | None:
         "grad_weight": lambda: _format_spec(recipe.grad_weight.output_format),
     }
     if role not in specs:
-        raise ValueError(f"role must be one of {ROLES}; got {role!r}")
+        raise UsageError(f"role must be one of {ROLES}; got {role!r}")
     return specs[role]()
 
 
@@ -81,17 +82,17 @@ def _check_what_if(what_if: Mapping[str, QuantSpec | str] | None) -> dict[str, Q
     if what_if is None:
         return {}
     if not isinstance(what_if, Mapping):
-        raise ValueError(f"what_if must be a dict of name -> QuantSpec or spec name; got {type(what_if).__name__}")
+        raise UsageError(f"what_if must be a dict of name -> QuantSpec or spec name; got {type(what_if).__name__}")
     out: dict[str, QuantSpec] = {}
     for name, spec in what_if.items():
         if not isinstance(name, str) or not name or any(c in name for c in "/@ "):
-            raise ValueError(f"what_if names must be non-empty strings without '/', '@' or spaces; got {name!r}")
+            raise UsageError(f"what_if names must be non-empty strings without '/', '@' or spaces; got {name!r}")
         try:
             resolved = resolve_spec(spec)
         except ValueError as e:
-            raise ValueError(f"what_if[{name!r}]: {e}") from None
+            raise UsageError(f"what_if[{name!r}]: {e}") from None
         if resolved is None:
-            raise ValueError(f"what_if[{name!r}] must be a QuantSpec or a spec name, not None")
+            raise UsageError(f"what_if[{name!r}] must be a QuantSpec or a spec name, not None")
         out[name] = resolved
     return out
 
@@ -126,16 +127,16 @@ class StatsObserver:
     def __init__(self, model: nn.Module, *, every: int = 50,
                  what_if: Mapping[str, QuantSpec | str] | None = None, keep_history: bool = False) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be a positive int (sample every N-th step); got {every!r}")
+            raise UsageError(f"every must be a positive int (sample every N-th step); got {every!r}")
         if not isinstance(keep_history, bool):
-            raise ValueError(f"keep_history must be a bool; got {keep_history!r}")
+            raise UsageError(f"keep_history must be a bool; got {keep_history!r}")
         self.every = every
         self.keep_history = keep_history
         """Keep records after ``pop_scalars`` has returned them (for ``records()``/``scalars()``)."""
         self.what_if = _check_what_if(what_if)
         layers = [(name, m) for name, m in model.named_modules() if isinstance(m, EmulatedLinear)]
         if not layers:
-            raise ValueError("the model has no EmulatedLinear layers; convert it first with lowprec.convert")
+            raise UsageError("the model has no EmulatedLinear layers; convert it first with lowprec.convert")
         self._step: int | None = None
         self._records: list[dict[str, Any]] = []
         self._pending = 0  # index into _records of the first record not yet returned by pop_scalars
@@ -150,7 +151,7 @@ class StatsObserver:
     def step(self, step: int) -> None:
         """Announce the step about to run (before its forward); it is sampled when ``step % every == 0``."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int; got {step!r}")
+            raise UsageError(f"step must be a non-negative int; got {step!r}")
         self._step = step if step % self.every == 0 else None
         if self._step is not None:
             self._seen = {k for k in self._seen if k[0] == step}  # keep the bookkeeping to one step

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from .. import formats
+from .._errors import UsageError
 from ..quant import QuantSpec
 from ._tensor_stats import spec_name
 
@@ -106,7 +107,7 @@ class LayerSensitivity:
         if metric == "sqnr":
             return self.noise
         if math.isnan(self.probe_delta):
-            raise ValueError(f"row {self.name!r}/{self.spec} has no probe_delta: run training_probe on the table "
+            raise UsageError(f"row {self.name!r}/{self.spec} has no probe_delta: run training_probe on the table "
                              "first (metric 'probe')")
         return self.probe_delta
 
@@ -141,13 +142,13 @@ def resolve_candidate(candidate: str | QuantSpec | None) -> tuple[str, QuantSpec
     if isinstance(candidate, QuantSpec):
         return spec_name(candidate), candidate
     if not isinstance(candidate, str):
-        raise ValueError(f"spec must be a QuantSpec or a name; got {type(candidate).__name__}")
+        raise UsageError(f"spec must be a QuantSpec or a name; got {type(candidate).__name__}")
     if candidate in QuantSpec.names():
         return candidate, QuantSpec.named(candidate)
     base, sep, block = candidate.partition("/b")
     if sep and base in QuantSpec.names() and QuantSpec.named(base).scaling == "block":
         if not block.isdigit() or int(block) < 1:
-            raise ValueError(f"spec {candidate!r}: the block size after '/b' must be a positive int, e.g. {base}/b64")
+            raise UsageError(f"spec {candidate!r}: the block size after '/b' must be a positive int, e.g. {base}/b64")
         if int(block) == QuantSpec.named(base).block_size:
             return base, QuantSpec.named(base)
         return f"{base}/b{int(block)}", dataclasses.replace(QuantSpec.named(base), block_size=int(block))
@@ -156,7 +157,7 @@ def resolve_candidate(candidate: str | QuantSpec | None) -> tuple[str, QuantSpec
         return "float32", None
     if name in formats.names() and formats.get(name).kind == "float" and formats.get(name).signed:
         return name, QuantSpec(elem=name, scaling="none", saturate=False)
-    raise ValueError(f"unknown spec {candidate!r}: use a spec name ({', '.join(QuantSpec.names())}), a block spec "
+    raise UsageError(f"unknown spec {candidate!r}: use a spec name ({', '.join(QuantSpec.names())}), a block spec "
                      "with another block size (mxfp4/b64), an element "
                      "format applied elementwise (bfloat16 or bf16, float16, float8_e4m3fn, ...), or float32")
 
@@ -171,7 +172,7 @@ def group_layers(names: Iterable[str], by: str | int = "layer") -> dict[str, tup
     all-digit component: ``blocks.0.attn.qkv`` -> ``blocks.0``; names without one stay alone) or an int ``d``
     (the first ``d`` dot-separated components).  Groups keep the order of first appearance."""
     if by not in GROUP_BY and not (isinstance(by, int) and not isinstance(by, bool) and by >= 1):
-        raise ValueError(f"group_by must be one of {', '.join(GROUP_BY)} or a positive int (name depth); got {by!r}")
+        raise UsageError(f"group_by must be one of {', '.join(GROUP_BY)} or a positive int (name depth); got {by!r}")
     out: dict[str, list[str]] = {}
     for name in names:
         parts = name.split(".")
@@ -209,7 +210,7 @@ def _forward(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn) -> tup
     for inputs, targets in batches:
         out = model(inputs)
         if not isinstance(out, torch.Tensor):
-            raise ValueError(f"sensitivity needs a model that returns one tensor; got {type(out).__name__}")
+            raise UsageError(f"sensitivity needs a model that returns one tensor; got {type(out).__name__}")
         outs.append(out.detach().to(torch.float32))
         losses.append(float(loss_fn(out, targets)))
     return outs, sum(losses) / len(losses)
@@ -222,11 +223,11 @@ class _Probe:
         from ..nn import EmulatedLinear
 
         if any(isinstance(m, EmulatedLinear) for m in model.modules()):
-            raise ValueError("model is converted (it has EmulatedLinear modules): pass the float32 model, "
+            raise UsageError("model is converted (it has EmulatedLinear modules): pass the float32 model, "
                              "e.g. after lowprec.unconvert(model)")
         self.batches = list(batches)
         if not self.batches:
-            raise ValueError("batches must hold at least one (inputs, targets) pair")
+            raise UsageError("batches must hold at least one (inputs, targets) pair")
         self.model = copy.deepcopy(model).eval()
         self.loss_fn = loss_fn
         self.ref, self.ref_loss = _forward(self.model, self.batches, loss_fn)
@@ -255,18 +256,18 @@ def _groups(model: nn.Module, groups: Mapping[str, Sequence[str]] | str | int | 
     else:
         resolved = {str(k): tuple(v) for k, v in groups.items()}
     if not resolved:
-        raise ValueError("model has no nn.Linear module to analyse")
+        raise UsageError("model has no nn.Linear module to analyse")
     for g, mods in resolved.items():
         bad = [m for m in mods if m not in names]
         if not mods or bad:
-            raise ValueError(f"groups[{g!r}] must name nn.Linear modules of the model; bad: {bad or '(empty)'}; "
+            raise UsageError(f"groups[{g!r}] must name nn.Linear modules of the model; bad: {bad or '(empty)'}; "
                              f"the linears are: {', '.join(names)}")
     return resolved
 
 
 def _check_metric(metric: str) -> None:
     if metric not in METRICS:
-        raise ValueError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
+        raise UsageError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
 
 
 def _ranked(rows: list[LayerSensitivity], metric: str = "sqnr") -> list[LayerSensitivity]:
@@ -292,10 +293,10 @@ def sensitivity_table(model: nn.Module, batches: Sequence[Batch], loss_fn: LossF
     """
     resolved = [resolve_candidate(s) for s in specs]
     if not resolved:
-        raise ValueError("specs must name at least one spec")
+        raise UsageError("specs must name at least one spec")
     labels = [label for label, _ in resolved]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"specs must be distinct; got {labels}")
+        raise UsageError(f"specs must be distinct; got {labels}")
     probe = _Probe(model, batches, loss_fn)
     return [probe.measure(g, mods, label, spec)
             for g, mods in _groups(probe.model, groups).items() for label, spec in resolved]

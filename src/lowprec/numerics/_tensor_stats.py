@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from .._errors import UsageError
 from ..formats import FormatSpec
 from ..quant import QuantSpec, _groups, _native
 from ..quant._elementwise import stochastic_args
@@ -66,7 +67,7 @@ def resolve_spec(spec: QuantSpec | str | None) -> QuantSpec | None:
         return spec
     if isinstance(spec, str):
         return QuantSpec.named(spec)
-    raise ValueError(f"spec must be a QuantSpec, a spec name or None; got {type(spec).__name__}")
+    raise UsageError(f"spec must be a QuantSpec, a spec name or None; got {type(spec).__name__}")
 
 
 @functools.lru_cache(maxsize=256)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import recipes
+from .._errors import UsageError
 from ..quant import QuantSpec, fake_quantize, quantize
 from ..quant._random import stream_seed
 from ..recipes import Recipe
@@ -56,7 +57,7 @@ class LowPrecisionOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, recipe: Recipe | str) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+            raise UsageError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.recipe = recipes.get(recipe)
         self.scaler = LossScaler(self.recipe.loss_scaling)

@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import torch
 
+from .._errors import UsageError
+
 Backend = Literal["auto", "eager", "compiled"]
 _BACKENDS = ("auto", "eager", "compiled")
 AUTO_MIN_NUMEL = 1 << 20
@@ -37,7 +39,7 @@ _fast: dict[str, bool] = {"on": True}
 def set_backend(backend: Backend) -> None:
     """Select how quantizers run: "auto", "eager" or "compiled" (also env var ``LOWPREC_BACKEND``)."""
     if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}; got {backend!r}")
+        raise UsageError(f"backend must be one of {_BACKENDS}; got {backend!r}")
     _state["backend"] = backend
 
 
@@ -70,7 +72,7 @@ def fast_paths(enabled: bool) -> Iterator[None]:
 def _use_compiled(numel: int) -> bool:
     mode = _state["backend"]
     if mode not in _BACKENDS:
-        raise ValueError(f"LOWPREC_BACKEND must be one of {_BACKENDS}; got {mode!r}")
+        raise UsageError(f"LOWPREC_BACKEND must be one of {_BACKENDS}; got {mode!r}")
     return mode == "compiled" or (mode == "auto" and numel >= AUTO_MIN_NUMEL)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .._errors import UsageError
 from ..formats import FormatSpec
 from ._storage import TORCH_DTYPE_NAMES, has_torch_dtype
 from ._storage import code_value as code_value
@@ -32,7 +33,7 @@ def torch_dtype(fmt: FormatSpec) -> torch.dtype | None:
 def decode_table(fmt: FormatSpec) -> torch.Tensor:
     """float32 values of all ``2^bits`` codes (formats of 8 bits or fewer)."""
     if fmt.bits > 8:
-        raise ValueError(f"decode_table is for formats of at most 8 bits; {fmt.name} has {fmt.bits}")
+        raise UsageError(f"decode_table is for formats of at most 8 bits; {fmt.name} has {fmt.bits}")
     return torch.tensor([code_value(fmt, c) for c in range(1 << fmt.bits)], dtype=torch.float32)
 
 
@@ -84,7 +85,7 @@ def encode(q: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
         return pack_6bit(codes)
     if fmt.bits <= 8:
         return codes.to(torch.uint8)
-    raise ValueError(f"no storage layout for the {fmt.bits}-bit format {fmt.name}; use fake_quantize")
+    raise UsageError(f"no storage layout for the {fmt.bits}-bit format {fmt.name}; use fake_quantize")
 
 
 def decode(codes: torch.Tensor, fmt: FormatSpec, last_dim: int | None) -> torch.Tensor:
@@ -94,10 +95,10 @@ def decode(codes: torch.Tensor, fmt: FormatSpec, last_dim: int | None) -> torch.
     dt = torch_dtype(fmt)
     if dt is not None:
         if codes.dtype != dt:
-            raise ValueError(f"codes for {fmt.name} must have dtype {dt}; got {codes.dtype}")
+            raise UsageError(f"codes for {fmt.name} must have dtype {dt}; got {codes.dtype}")
         return codes.to(torch.float32)
     if codes.dtype != torch.uint8:
-        raise ValueError(f"codes for {fmt.name} must be packed torch.uint8; got {codes.dtype}")
+        raise UsageError(f"codes for {fmt.name} must be packed torch.uint8; got {codes.dtype}")
     if fmt.bits == 4:
         unpacked = unpack_4bit(codes, last_dim)
     elif fmt.bits == 6:
@@ -136,7 +137,7 @@ def pack_6bit(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_6bit(packed: torch.Tensor, last_dim: int | None) -> torch.Tensor:
     if packed.shape[-1] % 3:
-        raise ValueError(f"packed 6-bit codes need a last dimension divisible by 3; got {packed.shape[-1]}")
+        raise UsageError(f"packed 6-bit codes need a last dimension divisible by 3; got {packed.shape[-1]}")
     b = packed.to(torch.int64).unflatten(-1, (-1, 3))
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
     out = torch.stack([(word >> (6 * j)) & 0x3F for j in range(4)], dim=-1).flatten(-2)

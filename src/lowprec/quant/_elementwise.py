@@ -34,6 +34,7 @@ import math
 import torch
 
 from .. import formats
+from .._errors import UsageError
 from ..formats import FormatSpec
 from . import _backend, _native, _random
 from ._round import quantize_f32
@@ -45,10 +46,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def check_tensor(x: object, name: str = "x") -> torch.Tensor:
     """Raise a clear ``ValueError`` unless ``x`` is a float32/bfloat16/float16 tensor."""
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        raise UsageError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         hint = "; call .float() first" if x.dtype == torch.float64 else ""
-        raise ValueError(
+        raise UsageError(
             f"{name} must be a float32, bfloat16 or float16 tensor; got dtype {x.dtype}{hint}"
         )
     return x

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .._errors import UsageError
+
 if TYPE_CHECKING:
     import torch
 
@@ -18,12 +20,12 @@ def check_layout(shape: torch.Size | tuple[int, ...], spec: QuantSpec) -> None:
     """Raise ``ValueError`` naming the argument when ``spec`` does not fit a tensor of ``shape``."""
     ndim = len(shape)
     if spec.scaling in ("axis", "block") and (ndim == 0 or not -ndim <= spec.axis < ndim):
-        raise ValueError(
+        raise UsageError(
             f"QuantSpec.axis={spec.axis} is out of range for a tensor of {ndim} dimension(s) "
             f"(shape {tuple(shape)}); use an axis in [{-ndim}, {ndim - 1}]"
         )
     if spec.scaling == "tile" and ndim < 2:
-        raise ValueError(
+        raise UsageError(
             f"QuantSpec.tile={spec.tile} needs a tensor with at least 2 dimensions; got shape {tuple(shape)}"
         )
 

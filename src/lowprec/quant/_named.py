@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .._errors import UsageError
 from ._spec import QuantSpec
 
 
@@ -44,4 +45,4 @@ def named_spec(name: str) -> QuantSpec:
     try:
         return _SPECS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown QuantSpec name {name!r}; valid names: {', '.join(_SPECS)}") from None
+        raise UsageError(f"unknown QuantSpec name {name!r}; valid names: {', '.join(_SPECS)}") from None

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from .._errors import UsageError
 from ..formats import FormatSpec
 
 _SIGN = -(1 << 31)  # 0x80000000 as int32
@@ -78,14 +79,14 @@ def round_magnitude(
         up = rem != 0
     elif rounding == "stochastic":
         if rbits is None:
-            raise ValueError("stochastic rounding needs random bits")
+            raise UsageError("stochastic rounding needs random bits")
         u = (rbits >> 1) & _ABS
         # P(up) = rem / 2^d.  For d <= 31 the threshold rem * 2^(31-d) < 2^31 is exact.
         thr_exact = rem << torch.clamp(31 - d, 0, 31)
         thr_trunc = sig >> torch.clamp(d - 31, 0, 31)
         up = u < torch.where(d <= 31, thr_exact, thr_trunc)
     else:
-        raise ValueError(f"rounding must be 'nearest', 'stochastic' or 'toward_zero', got {rounding!r}")
+        raise UsageError(f"rounding must be 'nearest', 'stochastic' or 'toward_zero', got {rounding!r}")
     if up is not None:
         n = n + up.to(torch.int32)
     big_e = torch.clamp(eff_e - 127, min=emin)

@@ -28,6 +28,7 @@ from typing import NamedTuple, TypeAlias
 
 import torch
 
+from .._errors import UsageError
 from . import _backend, _codec, _groups, _native, _native_op, _random
 from ._elementwise import (
     check_tensor,
@@ -302,7 +303,7 @@ def quantize_scaled(
     codes = _codec.encode(_groups.ungroup(q, spec, x.shape).contiguous(), spec.format)
     scale_dtype = _codec.torch_dtype(spec.scale_spec)
     if scale_dtype is None:
-        raise ValueError(f"no torch dtype stores scale format {spec.scale_spec.name}; use fake_quantize")
+        raise UsageError(f"no torch dtype stores scale format {spec.scale_spec.name}; use fake_quantize")
     scales = _groups.scales_out(1.0 / s if uses_multiplier(spec) else s, spec).to(scale_dtype)
     if s_t is not None:
         return codes, TwoLevelScales(scales, s_t.reshape(()))
@@ -326,7 +327,7 @@ def dequantize(
     last = shape[-1] if shape else None
     elems = _codec.decode(codes, spec.format, last)
     if shape is not None and tuple(elems.shape) != tuple(shape):
-        raise ValueError(f"codes decode to shape {tuple(elems.shape)}, not the given shape {tuple(shape)}")
+        raise UsageError(f"codes decode to shape {tuple(elems.shape)}, not the given shape {tuple(shape)}")
     if isinstance(scales, TwoLevelScales):
         s = _groups.scales_in(scales.group.to(torch.float32), spec) * scales.tensor.to(torch.float32)
     else:
@@ -349,9 +350,9 @@ def fake_quantize_tensors(
     if spec.rounding != "stochastic":
         keys = offset = None
     elif keys is None or offset is None:
-        raise ValueError("fake_quantize_tensors: stochastic rounding needs keys and offset tensors")
+        raise UsageError("fake_quantize_tensors: stochastic rounding needs keys and offset tensors")
     if amax is not None and spec.scaling != "tensor":
-        raise ValueError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
+        raise UsageError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
     if torch.compiler.is_compiling() and _native_op.applies(x, spec):  # the fused C loop as an opaque op
         return _native_op.call(x, spec, amax)
     if _tensorwise_fast_ok(x, spec):
@@ -362,6 +363,6 @@ def fake_quantize_tensors(
         s, s_t = _backend.run(_scales_kernel, x.numel(), x, spec=spec)
     else:
         if spec.scaling != "tensor":
-            raise ValueError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
+            raise UsageError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
         s, s_t = group_scale(amax.to(torch.float32).reshape([1] * x.dim()), spec, None), None
     return _fake(x, s, s_t, keys, offset, spec)

@@ -37,6 +37,7 @@ import dataclasses
 from typing import Any, Literal, get_args
 
 from .. import formats
+from .._errors import UsageError
 from ..formats import FormatSpec
 from ._validate import Rounding, check_bool, check_rounding
 
@@ -50,7 +51,7 @@ def _field_format(value: object, field: str) -> FormatSpec:
     try:
         return formats.get(value)  # type: ignore[arg-type]
     except ValueError as e:
-        raise ValueError(f"QuantSpec.{field}: {e}") from None
+        raise UsageError(f"QuantSpec.{field}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,48 +84,48 @@ class QuantSpec:
     def __post_init__(self) -> None:
         elem = _field_format(self.elem, "elem")
         if self.scaling not in _SCALINGS:
-            raise ValueError(f"QuantSpec.scaling must be one of {_SCALINGS}; got {self.scaling!r}")
+            raise UsageError(f"QuantSpec.scaling must be one of {_SCALINGS}; got {self.scaling!r}")
         if not isinstance(self.axis, int) or isinstance(self.axis, bool):
-            raise ValueError(f"QuantSpec.axis must be an int; got {self.axis!r}")
+            raise UsageError(f"QuantSpec.axis must be an int; got {self.axis!r}")
         if self.scaling == "block":
             bs = self.block_size
             if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0:
-                raise ValueError(f"QuantSpec.block_size must be a positive int for scaling='block'; got {bs!r}")
+                raise UsageError(f"QuantSpec.block_size must be a positive int for scaling='block'; got {bs!r}")
         elif self.block_size is not None:
-            raise ValueError(f"QuantSpec.block_size is only used with scaling='block'; got scaling={self.scaling!r}")
+            raise UsageError(f"QuantSpec.block_size is only used with scaling='block'; got scaling={self.scaling!r}")
         if self.scaling == "tile":
             t = self.tile
             ok = isinstance(t, tuple) and len(t) == 2 and all(isinstance(v, int) and v > 0 for v in t)
             if not ok:
-                raise ValueError(f"QuantSpec.tile must be a pair of positive ints such as (1, 128); got {t!r}")
+                raise UsageError(f"QuantSpec.tile must be a pair of positive ints such as (1, 128); got {t!r}")
         elif self.tile is not None:
-            raise ValueError(f"QuantSpec.tile is only used with scaling='tile'; got scaling={self.scaling!r}")
+            raise UsageError(f"QuantSpec.tile is only used with scaling='tile'; got scaling={self.scaling!r}")
         sfmt = _field_format(self.scale_format, "scale_format")
         if sfmt.kind != "float":
-            raise ValueError(f"QuantSpec.scale_format must be a float format; got {sfmt.name!r}")
+            raise UsageError(f"QuantSpec.scale_format must be a float format; got {sfmt.name!r}")
         if self.scale_rounding not in _SCALE_ROUNDINGS:
-            raise ValueError(
+            raise UsageError(
                 f"QuantSpec.scale_rounding must be one of {_SCALE_ROUNDINGS}; got {self.scale_rounding!r}"
             )
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or abs(self.margin) > 64:
-            raise ValueError(f"QuantSpec.margin must be an int in [-64, 64]; got {self.margin!r}")
+            raise UsageError(f"QuantSpec.margin must be an int in [-64, 64]; got {self.margin!r}")
         check_rounding(self.rounding, "QuantSpec.rounding")
         check_bool(self.saturate, "QuantSpec.saturate")
         check_bool(self.tensor_scale, "QuantSpec.tensor_scale")
         if self.tensor_scale and self.scaling in ("none", "tensor"):
-            raise ValueError("QuantSpec.tensor_scale needs scaling 'axis', 'block' or 'tile'")
+            raise UsageError("QuantSpec.tensor_scale needs scaling 'axis', 'block' or 'tile'")
         is_f32 = sfmt.mbits == 23 and sfmt.emin <= -126
         if is_f32 and self.scale_rounding != "nearest":
-            raise ValueError(
+            raise UsageError(
                 f"QuantSpec.scale_rounding={self.scale_rounding!r} needs a narrower scale format: float32 scales are "
                 "one correctly rounded division; use scale_format='float8_e8m0fnu' for power-of-two scales"
             )
         if self.tensor_scale and is_f32:
-            raise ValueError("QuantSpec.tensor_scale needs a narrow group scale format (NVFP4: float8_e4m3fn)")
+            raise UsageError("QuantSpec.tensor_scale needs a narrow group scale format (NVFP4: float8_e4m3fn)")
         if self.tensor_scale and not sfmt.signed:
-            raise ValueError("QuantSpec.tensor_scale is for non-power-of-two scale formats (NVFP4's float8_e4m3fn)")
+            raise UsageError("QuantSpec.tensor_scale is for non-power-of-two scale formats (NVFP4's float8_e4m3fn)")
         if elem.kind == "float" and not elem.signed:
-            raise ValueError(f"QuantSpec.elem cannot be the unsigned scale format {elem.name!r}")
+            raise UsageError(f"QuantSpec.elem cannot be the unsigned scale format {elem.name!r}")
 
     @property
     def format(self) -> FormatSpec:
@@ -168,7 +169,7 @@ class QuantSpec:
         known = {f.name for f in dataclasses.fields(cls)}
         extra = set(data) - known
         if extra:
-            raise ValueError(f"unknown QuantSpec field(s) {sorted(extra)}; valid fields: {sorted(known)}")
+            raise UsageError(f"unknown QuantSpec field(s) {sorted(extra)}; valid fields: {sorted(known)}")
         kw = dict(data)
         for key in ("elem", "scale_format"):
             if isinstance(kw.get(key), dict):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import formats
+from .._errors import UsageError
 from ._spec import QuantSpec
 from ._storage import has_torch_dtype
 
@@ -19,7 +20,7 @@ def _resolve(spec: object) -> QuantSpec:
     if isinstance(spec, str):
         spec = QuantSpec.named(spec)
     if not isinstance(spec, QuantSpec):
-        raise ValueError(f"spec must be a QuantSpec or a spec name; got {type(spec).__name__}")
+        raise UsageError(f"spec must be a QuantSpec or a spec name; got {type(spec).__name__}")
     return spec
 
 
@@ -41,27 +42,27 @@ def resolve_spec(spec: object, rounding: object = None) -> QuantSpec:
             fmt = formats.get(spec)
             spec = QuantSpec(elem=spec, scaling="none" if fmt.bits >= 16 else "tensor")
         else:
-            raise ValueError(
+            raise UsageError(
                 f"spec: unknown name {spec!r}; use a QuantSpec name ({', '.join(QuantSpec.names())}) or a format "
                 f"name ({', '.join(formats.names())})"
             )
     if not isinstance(spec, QuantSpec):
-        raise ValueError(f"spec must be a QuantSpec or a spec/format name; got {type(spec).__name__}")
+        raise UsageError(f"spec must be a QuantSpec or a spec/format name; got {type(spec).__name__}")
     if rounding is not None:
         spec = dataclasses.replace(spec, rounding=rounding)  # type: ignore[arg-type]  # QuantSpec validates it
     if spec.scaling not in _SUPPORTED_SCALINGS:
-        raise ValueError(
+        raise UsageError(
             f"QuantSpec.scaling={spec.scaling!r} does not fit a gradient bucket (a flat 1-D buffer); use 'none', "
             "'tensor' (one shared scale per bucket) or 'block' (MX, NVFP4)"
         )
     if spec.scaling == "block" and spec.axis not in (0, -1):
-        raise ValueError(f"QuantSpec.axis must be -1 or 0 for a flat gradient bucket; got {spec.axis}")
+        raise UsageError(f"QuantSpec.axis must be -1 or 0 for a flat gradient bucket; got {spec.axis}")
     fmt = spec.format
     if not has_torch_dtype(fmt) and fmt.bits > 8:
-        raise ValueError(
+        raise UsageError(
             f"QuantSpec.elem={fmt.name!r} has no storage layout to send; use bfloat16, float16, float32 or a format "
             "of 8 bits or fewer"
         )
     if spec.scaling == "block" and not has_torch_dtype(spec.scale_spec):
-        raise ValueError(f"QuantSpec.scale_format={spec.scale_spec.name!r} has no torch dtype to send scales in")
+        raise UsageError(f"QuantSpec.scale_format={spec.scale_spec.name!r} has no torch dtype to send scales in")
     return spec

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .._errors import UsageError
 from ..quant._spec import QuantSpec
 from ._recipe import (
     Accumulator,
@@ -229,5 +230,5 @@ def get(name: str | Recipe) -> Recipe:
         return name
     fn = _RECIPES.get(name) if isinstance(name, str) else None
     if fn is None:
-        raise ValueError(f"unknown recipe {name!r}; valid names: {', '.join(_RECIPES)}")
+        raise UsageError(f"unknown recipe {name!r}; valid names: {', '.join(_RECIPES)}")
     return fn()

@@ -24,6 +24,7 @@ import json
 from typing import Any, Literal, get_args
 
 from .. import formats
+from .._errors import UsageError
 from ..quant._spec import QuantSpec
 
 ScalingKind = Literal["current", "delayed"]
@@ -34,17 +35,17 @@ LossScaleKind = Literal["none", "static", "dynamic"]
 
 def _choice(value: object, allowed: tuple[str, ...], field: str) -> None:
     if value not in allowed:
-        raise ValueError(f"{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+        raise UsageError(f"{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
 def _int_in(value: object, lo: int, hi: int, field: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise ValueError(f"{field} must be an int in [{lo}, {hi}]; got {value!r}")
+        raise UsageError(f"{field} must be an int in [{lo}, {hi}]; got {value!r}")
 
 
 def _positive(value: object, field: str) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{field} must be a positive number; got {value!r}")
+        raise UsageError(f"{field} must be a positive number; got {value!r}")
 
 
 def _format_name(value: object, field: str) -> None:
@@ -53,7 +54,7 @@ def _format_name(value: object, field: str) -> None:
     try:
         formats.get(value)  # type: ignore[arg-type]
     except ValueError as e:
-        raise ValueError(f"{field}: {e}") from None
+        raise UsageError(f"{field}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,9 +85,9 @@ class Operand:
 
     def __post_init__(self) -> None:
         if self.spec is not None and not isinstance(self.spec, QuantSpec):
-            raise ValueError(f"Operand.spec must be a QuantSpec or None; got {type(self.spec).__name__}")
+            raise UsageError(f"Operand.spec must be a QuantSpec or None; got {type(self.spec).__name__}")
         if self.scaling.kind == "delayed" and (self.spec is None or self.spec.scaling != "tensor"):
-            raise ValueError("Operand.scaling kind='delayed' needs a spec with scaling='tensor'")
+            raise UsageError("Operand.scaling kind='delayed' needs a spec with scaling='tensor'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -195,9 +196,9 @@ class LossScaling:
         _choice(self.kind, get_args(LossScaleKind), "LossScaling.kind")
         _positive(self.init_scale, "LossScaling.init_scale")
         if not isinstance(self.growth_factor, (int, float)) or not self.growth_factor >= 1:
-            raise ValueError(f"LossScaling.growth_factor must be >= 1; got {self.growth_factor!r}")
+            raise UsageError(f"LossScaling.growth_factor must be >= 1; got {self.growth_factor!r}")
         if not isinstance(self.backoff_factor, (int, float)) or not 0 < self.backoff_factor < 1:
-            raise ValueError(f"LossScaling.backoff_factor must be in (0, 1); got {self.backoff_factor!r}")
+            raise UsageError(f"LossScaling.backoff_factor must be in (0, 1); got {self.backoff_factor!r}")
         _int_in(self.growth_interval, 1, 1 << 30, "LossScaling.growth_interval")
         for field in ("init_scale", "growth_factor", "backoff_factor"):  # 2 and 2.0: one recipe, one hash
             object.__setattr__(self, field, float(getattr(self, field)))
@@ -217,7 +218,7 @@ class Weights:
         _choice(self.update, get_args(WeightUpdate), "Weights.update")
         _format_name(self.format, "Weights.format")
         if self.update != "master" and self.format == "float32":
-            raise ValueError(
+            raise UsageError(
                 f"Weights.update={self.update!r} needs a low-precision Weights.format such as 'bfloat16'"
             )
 
@@ -248,11 +249,11 @@ class GradComm:
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, QuantSpec):
-            raise ValueError(f"GradComm.spec must be a QuantSpec or a spec name; got {self.spec!r}")
+            raise UsageError(f"GradComm.spec must be a QuantSpec or a spec name; got {self.spec!r}")
         if self.rounding is not None:
             _choice(self.rounding, ("nearest", "stochastic"), "GradComm.rounding")
         if not isinstance(self.error_feedback, bool):
-            raise ValueError(f"GradComm.error_feedback must be true or false; got {self.error_feedback!r}")
+            raise UsageError(f"GradComm.error_feedback must be true or false; got {self.error_feedback!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -279,24 +280,24 @@ class Fallback:
             v = getattr(self, field)
             if v is not None:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 100:
-                    raise ValueError(f"Fallback.{field} must be a percentage in [0, 100) or None; got {v!r}")
+                    raise UsageError(f"Fallback.{field} must be a percentage in [0, 100) or None; got {v!r}")
                 object.__setattr__(self, field, float(v))  # 50 and 50.0: one recipe, one hash
         if self.sqnr_db is not None:
             v = self.sqnr_db
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), -float("inf")):
-                raise ValueError(f"Fallback.sqnr_db must be a finite number of dB or None; got {v!r}")
+                raise UsageError(f"Fallback.sqnr_db must be a finite number of dB or None; got {v!r}")
             object.__setattr__(self, "sqnr_db", float(v))
         if self.underflow_pct is None and self.overflow_pct is None and self.sqnr_db is None:
-            raise ValueError("Fallback needs a threshold: set underflow_pct, overflow_pct or sqnr_db")
+            raise UsageError("Fallback needs a threshold: set underflow_pct, overflow_pct or sqnr_db")
         _int_in(self.patience, 1, 1 << 30, "Fallback.patience")
         if isinstance(self.to, str):
             from ._named import names
 
             if self.to not in names():
-                raise ValueError(f"Fallback.to must be a LinearRecipe or a built-in recipe name ({', '.join(names())});"
+                raise UsageError(f"Fallback.to must be a LinearRecipe or a built-in recipe name ({', '.join(names())});"
                                  f" got {self.to!r}")
         elif not isinstance(self.to, LinearRecipe):
-            raise ValueError(f"Fallback.to must be a LinearRecipe or a recipe name; got {type(self.to).__name__}")
+            raise UsageError(f"Fallback.to must be a LinearRecipe or a recipe name; got {type(self.to).__name__}")
 
     def target(self) -> LinearRecipe:
         """The ``LinearRecipe`` a layer falls back to."""
@@ -332,22 +333,22 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"Recipe.name must be a non-empty string; got {self.name!r}")
+            raise UsageError(f"Recipe.name must be a non-empty string; got {self.name!r}")
         if not isinstance(self.overrides, tuple):
-            raise ValueError(
+            raise UsageError(
                 f"Recipe.overrides must be a tuple of (pattern, LinearRecipe) pairs; got {self.overrides!r}"
             )
         for i, item in enumerate(self.overrides):
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                     and isinstance(item[1], LinearRecipe)):
-                raise ValueError(f"Recipe.overrides[{i}] must be a (pattern, LinearRecipe) pair; got {item!r}")
+                raise UsageError(f"Recipe.overrides[{i}] must be a (pattern, LinearRecipe) pair; got {item!r}")
         for field in ("keep_high_precision", "keep_types"):
             value = getattr(self, field)
             if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"Recipe.{field} must be a tuple of strings; got {value!r}")
+                raise UsageError(f"Recipe.{field} must be a tuple of strings; got {value!r}")
         _int_in(self.seed, 0, (1 << 63) - 1, "Recipe.seed")
         if self.fallback is not None and not isinstance(self.fallback, Fallback):
-            raise ValueError(f"Recipe.fallback must be a Fallback or None; got {type(self.fallback).__name__}")
+            raise UsageError(f"Recipe.fallback must be a Fallback or None; got {type(self.fallback).__name__}")
 
     # ------------------------------------------------------------------------------------------- serialising
     def to_dict(self) -> dict[str, Any]:

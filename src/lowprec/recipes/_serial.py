@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any, TypeVar, get_type_hints
 
+from .._errors import UsageError
 from ..quant._spec import QuantSpec
 from . import _recipe as R
 
@@ -56,11 +57,11 @@ def _to_plain(obj: Any) -> Any:
 
 def _from_plain(cls: type[T], data: Any, path: str) -> T:
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must be a table/object; got {type(data).__name__} {data!r}")
+        raise UsageError(f"{path} must be a table/object; got {type(data).__name__} {data!r}")
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     extra = sorted(set(data) - names)
     if extra:
-        raise ValueError(f"{path}: unknown key(s) {extra}; allowed: {sorted(names)}")
+        raise UsageError(f"{path}: unknown key(s) {extra}; allowed: {sorted(names)}")
     hints = get_type_hints(cls)
     kw: dict[str, Any] = {}
     for key, value in data.items():
@@ -80,7 +81,7 @@ def _from_plain(cls: type[T], data: Any, path: str) -> T:
     try:
         return cls(**kw)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise UsageError(f"{path}: {e}") from None
 
 
 def _spec(value: Any, path: str) -> QuantSpec:
@@ -88,18 +89,18 @@ def _spec(value: Any, path: str) -> QuantSpec:
         try:
             return QuantSpec.named(value)
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+            raise UsageError(f"{path}: {e}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{path} must be a spec name or a table of QuantSpec fields; got {value!r}")
+        raise UsageError(f"{path} must be a spec name or a table of QuantSpec fields; got {value!r}")
     try:
         return QuantSpec.from_dict(value)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise UsageError(f"{path}: {e}") from None
 
 
 def _override(item: Any, path: str) -> tuple[str, R.LinearRecipe]:
     if not isinstance(item, dict) or set(item) != {"pattern", "linear"}:
-        raise ValueError(f"{path} must be a table with exactly the keys 'pattern' and 'linear'; got {item!r}")
+        raise UsageError(f"{path} must be a table with exactly the keys 'pattern' and 'linear'; got {item!r}")
     return str(item["pattern"]), _from_plain(R.LinearRecipe, item["linear"], f"{path}.linear")
 
 
@@ -131,7 +132,7 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v, ensure_ascii=False)  # TOML rejects JSON's surrogate-pair escapes
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise ValueError(f"cannot write {type(v).__name__} to TOML")
+    raise UsageError(f"cannot write {type(v).__name__} to TOML")
 
 
 def _toml_key(k: str) -> str:

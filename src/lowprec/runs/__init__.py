@@ -1,1 +1,62 @@
-"""Training runs, baselines and accuracy judgement for low-precision recipes."""
+"""Training runs: the run config, the runners (PyTorch and JAX), checkpoints, the run store and the model zoo.
+
+A run is one seed of one config.  ``run_config`` trains every seed of a ``RunConfig`` (``load_config`` reads one
+from TOML) and records each run in a ``RunStore`` (one SQLite file): the resolved config, a manifest (versions,
+hardware, git commit, data hash), per-step scalars (``train/loss``, ``eval/<metric>``, ...), events and
+checkpoints.  ``lowprec.accuracy`` judges the runs a store holds; ``train_baseline`` trains a baseline's seeds and
+stores the baseline.
+
+``import lowprec.runs`` does not import torch: the config, the store and the exports are pure Python; the runner,
+the zoo and the tasks are imported on first use (``lowprec._lazy``).
+"""
+
+import typing as _typing
+
+from .. import _lazy
+from ._config import RunConfig as RunConfig
+from ._config import load as load_config
+from ._export import export_run as export_run
+from ._export import export_tensorboard as export_tensorboard
+from ._seeds import train_baseline as train_baseline
+from ._store import RunRecord as RunRecord
+from ._store import RunStore as RunStore
+from ._store import StoreCorrupt as StoreCorrupt
+from ._store import StoreError as StoreError
+
+if _typing.TYPE_CHECKING:
+    from . import zoo as zoo
+    from ._runner import build_task as build_task
+    from ._runner import resume_run as resume_run
+    from ._runner import run_config as run_config
+    from .zoo import Task as Task
+    from .zoo import task as task
+
+__all__ = [
+    "RunConfig",
+    "RunRecord",
+    "RunStore",
+    "StoreCorrupt",
+    "StoreError",
+    "Task",
+    "build_task",
+    "export_run",
+    "export_tensorboard",
+    "load_config",
+    "resume_run",
+    "run_config",
+    "task",
+    "train_baseline",
+    "zoo",
+]
+
+_TORCH_ATTRS: _lazy.LazyTable = {
+    "zoo": (".zoo", None),
+    "Task": (".zoo", "Task"),
+    "task": (".zoo", "task"),
+    "build_task": ("._runner", "build_task"),
+    "resume_run": ("._runner", "resume_run"),
+    "run_config": ("._runner", "run_config"),
+}
+
+if not _typing.TYPE_CHECKING:
+    __getattr__, __dir__ = _lazy.attach(__name__, _TORCH_ATTRS, globals())

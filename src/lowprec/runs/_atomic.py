@@ -12,6 +12,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .._errors import UsageError
+
 
 def _umask() -> int:
     mask = os.umask(0o022)
@@ -26,7 +28,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as e:
-        raise ValueError(f"cannot write {str(target)!r}: {e.strerror or e}") from None
+        raise UsageError(f"cannot write {str(target)!r}: {e.strerror or e}") from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the mode open() would have
         with os.fdopen(fd, "wb") as f:
@@ -38,7 +40,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(e, OSError):
-            raise ValueError(f"cannot write {str(target)!r}: {e.strerror or e}") from None
+            raise UsageError(f"cannot write {str(target)!r}: {e.strerror or e}") from None
         raise
     with contextlib.suppress(OSError):  # some file systems refuse O_RDONLY directory fsync
         dfd = os.open(target.parent, os.O_RDONLY)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._errors import UsageError
 from ._atomic import atomic_write_bytes
 
 _MAGIC = b"lowprec-checkpoint v1 "
@@ -34,7 +35,7 @@ def checkpoint_dir(store_path: str | Path, run_id: str) -> Path:
     ``run_id`` must be a run id (12 lowercase hex characters): an id read from an altered store, such as
     ``../..`` or ``/abs/path``, would otherwise put checkpoints outside the store's folder."""
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
-        raise ValueError(f"run id {run_id!r} is not a lowprec run id (12 lowercase hex characters); the run store "
+        raise UsageError(f"run id {run_id!r} is not a lowprec run id (12 lowercase hex characters); the run store "
                          "may have been altered")
     return Path(store_path).parent / "checkpoints" / run_id
 
@@ -63,9 +64,9 @@ def checkpoint_digest(path: Path) -> str:
         with open(path, "rb") as f:
             head = f.readline(len(_MAGIC) + 80)
     except OSError as e:
-        raise ValueError(f"cannot read checkpoint {str(path)!r}: {e.strerror or e}") from None
+        raise UsageError(f"cannot read checkpoint {str(path)!r}: {e.strerror or e}") from None
     if not head.startswith(_MAGIC) or not head.endswith(b"\n"):
-        raise ValueError(f"{str(path)!r} is not a lowprec checkpoint (bad header)")
+        raise UsageError(f"{str(path)!r} is not a lowprec checkpoint (bad header)")
     return head[len(_MAGIC):-1].decode("ascii", "replace")
 
 
@@ -96,20 +97,20 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise ValueError(f"cannot read checkpoint {str(path)!r}: {e.strerror or e}") from None
+        raise UsageError(f"cannot read checkpoint {str(path)!r}: {e.strerror or e}") from None
     head, sep, payload = data.partition(b"\n")
     if not sep or not head.startswith(_MAGIC):
-        raise ValueError(f"{str(path)!r} is not a lowprec checkpoint (bad header)")
+        raise UsageError(f"{str(path)!r} is not a lowprec checkpoint (bad header)")
     want = head[len(_MAGIC):].decode("ascii", "replace")
     if hashlib.sha256(payload).hexdigest() != want:
-        raise ValueError(f"checkpoint {str(path)!r} is corrupted (SHA-256 checksum mismatch)")
+        raise UsageError(f"checkpoint {str(path)!r} is corrupted (SHA-256 checksum mismatch)")
     try:
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as e:  # a payload with a valid checksum that torch cannot (or refuses to) load
-        raise ValueError(f"checkpoint {str(path)!r} passes its checksum but cannot be loaded: "
+        raise UsageError(f"checkpoint {str(path)!r} passes its checksum but cannot be loaded: "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if not isinstance(state, dict):
-        raise ValueError(f"checkpoint {str(path)!r} does not hold a state dict")
+        raise UsageError(f"checkpoint {str(path)!r} does not hold a state dict")
     return state
 
 
@@ -125,4 +126,4 @@ def latest_valid(directory: Path) -> tuple[int, dict[str, Any], list[str]]:
         except ValueError as e:
             problems.append(str(e))
     detail = f" ({'; '.join(problems)})" if problems else ""
-    raise ValueError(f"no usable checkpoint in {str(directory)!r}{detail}; the run cannot be resumed")
+    raise UsageError(f"no usable checkpoint in {str(directory)!r}{detail}; the run cannot be resumed")

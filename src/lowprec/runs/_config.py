@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import recipes
+from .._checks import check_choice, check_float, check_int
+from .._errors import UsageError
 from .._parse import MAX_NESTING as MAX_NESTING  # re-exported: the limit config errors name
 from .._parse import parse_json, parse_toml
 from ..recipes import Recipe
-from ._checks import check_choice, check_float, check_int
 
 DEFAULT_STORE = "lowprec-runs/runs.db"
 OPTIMIZERS = ("adamw", "sgd")
@@ -74,7 +75,7 @@ class OptimizerConfig:
             check_float(self.lr, "optimizer.lr", 0.0, open_lo=True)
         check_float(self.weight_decay, "optimizer.weight_decay", 0.0)
         if not (isinstance(self.betas, tuple) and len(self.betas) == 2):
-            raise ValueError(f"optimizer.betas must be two numbers [beta1, beta2]; got {self.betas!r}")
+            raise UsageError(f"optimizer.betas must be two numbers [beta1, beta2]; got {self.betas!r}")
         for i, b in enumerate(self.betas):
             check_float(b, f"optimizer.betas[{i}]", 0.0, 1.0)
         check_float(self.eps, "optimizer.eps", 0.0, open_lo=True)
@@ -141,11 +142,11 @@ class ParallelConfig:
         if self.strategy == "hsdp" or self.mesh_shape is not None:
             m = self.mesh_shape
             if self.strategy != "hsdp":
-                raise ValueError(f"parallel.mesh_shape is for strategy 'hsdp'; got strategy {self.strategy!r}")
+                raise UsageError(f"parallel.mesh_shape is for strategy 'hsdp'; got strategy {self.strategy!r}")
             if not (isinstance(m, tuple) and len(m) == 2 and all(isinstance(v, int) and v >= 1 for v in m)):
-                raise ValueError(f"parallel.mesh_shape must be [replicas, shards] (two integers >= 1); got {m!r}")
+                raise UsageError(f"parallel.mesh_shape must be [replicas, shards] (two integers >= 1); got {m!r}")
             if m[0] * m[1] != self.world_size:
-                raise ValueError(f"parallel.mesh_shape {list(m)} has {m[0] * m[1]} ranks but parallel.world_size "
+                raise UsageError(f"parallel.mesh_shape {list(m)} has {m[0] * m[1]} ranks but parallel.world_size "
                                  f"is {self.world_size}: make replicas x shards equal the world size")
 
 
@@ -177,14 +178,14 @@ class StatsConfig:
         if self.every is not None:
             check_int(self.every, "stats.every", 1, MAX_STEPS)
         if not isinstance(self.what_if, dict):
-            raise ValueError(f"stats.what_if must be a table of name = spec; got {self.what_if!r}")
+            raise UsageError(f"stats.what_if must be a table of name = spec; got {self.what_if!r}")
         from ..quant import QuantSpec
 
         for name, spec in self.what_if.items():
             if not name or any(c in name for c in "/@ "):
-                raise ValueError(f"stats.what_if name {name!r} must be non-empty without '/', '@' or spaces")
+                raise UsageError(f"stats.what_if name {name!r} must be non-empty without '/', '@' or spaces")
             if not isinstance(spec, str) or spec not in QuantSpec.names():
-                raise ValueError(f"stats.what_if.{name} must be a spec name ({', '.join(QuantSpec.names())}); "
+                raise UsageError(f"stats.what_if.{name} must be a spec name ({', '.join(QuantSpec.names())}); "
                                  f"got {spec!r}")
 
 
@@ -230,38 +231,38 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a zoo task name or 'package.module:function'; got {self.model!r}")
+            raise UsageError(f"model must be a zoo task name or 'package.module:function'; got {self.model!r}")
         if not isinstance(self.model_options, dict):
-            raise ValueError(f"model_options must be a table; got {self.model_options!r}")
+            raise UsageError(f"model_options must be a table; got {self.model_options!r}")
         for field in ("name", "group"):
             v = getattr(self, field)
             if v is not None and (not isinstance(v, str) or not v.strip()):
-                raise ValueError(f"{field} must be a non-empty string; got {v!r}")
+                raise UsageError(f"{field} must be a non-empty string; got {v!r}")
         check_choice(self.framework, "framework", FRAMEWORKS)
         if self.framework == "jax" and self.parallel.strategy != "single":
-            raise ValueError(f"framework = \"jax\" trains in one process; got parallel.strategy "
+            raise UsageError(f"framework = \"jax\" trains in one process; got parallel.strategy "
                              f"{self.parallel.strategy!r}: set parallel.strategy = \"single\" (data-parallel JAX "
                              "is lowprec.jax.data_parallel, see docs/jax.md)")
         if not isinstance(self.seeds, tuple) or not self.seeds:
-            raise ValueError(f"seeds must be a non-empty list of integers; got {self.seeds!r}")
+            raise UsageError(f"seeds must be a non-empty list of integers; got {self.seeds!r}")
         for i, s in enumerate(self.seeds):
             check_int(s, f"seeds[{i}]", 0, 2**31 - 1)
         if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds must be distinct; got {list(self.seeds)}")
+            raise UsageError(f"seeds must be distinct; got {list(self.seeds)}")
         for field in ("steps", "eval_interval"):
             v = getattr(self, field)
             if v is not None:
                 check_int(v, field, 1)
                 if v > MAX_STEPS:
-                    raise ValueError(f"{field} must be at most {MAX_STEPS:_} (10**9); got {v:_}: a billion steps "
+                    raise UsageError(f"{field} must be at most {MAX_STEPS:_} (10**9); got {v:_}: a billion steps "
                                      "is already weeks of training, and each step stores its scalars, so this is "
                                      "most likely a typo")
         if self.batch_size is not None:
             check_int(self.batch_size, "batch_size", 1)
         if not isinstance(self.recipe, Recipe):
-            raise ValueError(f"recipe must be a lowprec.Recipe; got {type(self.recipe).__name__}")
+            raise UsageError(f"recipe must be a lowprec.Recipe; got {type(self.recipe).__name__}")
         if not isinstance(self.store, str) or not self.store:
-            raise ValueError(f"store must be a path; got {self.store!r}")
+            raise UsageError(f"store must be a path; got {self.store!r}")
         if self.threads is not None:
             check_int(self.threads, "threads", 1)
 
@@ -321,7 +322,7 @@ class RunConfig:
         try:
             return _from_dict(data)
         except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+            raise UsageError(f"{where}: {e}") from None
 
     @classmethod
     def from_toml(cls, text: str, *, where: str = "config") -> RunConfig:
@@ -345,7 +346,7 @@ def check_declared(config: RunConfig, *, where: str | None = None) -> None:
         msg = (f"stats.what_if {sorted(config.stats.what_if)} is measured only when statistics are sampled, and "
                "stats.every is not set: add stats.every = N (sample every N steps)")
     if msg:
-        raise ValueError(f"{where}: {msg}" if where else msg)
+        raise UsageError(f"{where}: {msg}" if where else msg)
 
 
 def load(path: str | Path) -> RunConfig:
@@ -355,9 +356,9 @@ def load(path: str | Path) -> RunConfig:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ValueError(f"config file {str(p)!r} does not exist") from None
+        raise UsageError(f"config file {str(p)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read config file {str(p)!r}: {e}") from None
+        raise UsageError(f"cannot read config file {str(p)!r}: {e}") from None
     if p.suffix.lower() == ".json":
         config = RunConfig.from_dict(parse_json(text, where=str(p)), where=str(p))
     else:
@@ -368,11 +369,11 @@ def load(path: str | Path) -> RunConfig:
 
 def _table(cls: type, value: Any, field: str) -> Any:
     if not isinstance(value, dict):
-        raise ValueError(f"{field} must be a table; got {value!r}")
+        raise UsageError(f"{field} must be a table; got {value!r}")
     allowed = {f.name for f in dataclasses.fields(cls)}
     extra = sorted(set(value) - allowed)
     if extra:
-        raise ValueError(f"{field}: unknown key(s) {extra}; allowed: {sorted(allowed)}")
+        raise UsageError(f"{field}: unknown key(s) {extra}; allowed: {sorted(allowed)}")
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
     return cls(**kw)
 
@@ -384,12 +385,12 @@ def _recipe(value: Any) -> Recipe:
         return recipes.get(value)
     if isinstance(value, dict):
         return Recipe.from_dict(value)
-    raise ValueError(f"recipe must be a recipe name ({', '.join(recipes.names())}) or a table; got {value!r}")
+    raise UsageError(f"recipe must be a recipe name ({', '.join(recipes.names())}) or a table; got {value!r}")
 
 
 def _from_dict(data: dict[str, Any]) -> RunConfig:
     if not isinstance(data, dict):
-        raise ValueError(f"must be a table; got {type(data).__name__}")
+        raise UsageError(f"must be a table; got {type(data).__name__}")
     data = dict(data)
     allowed = {f.name for f in dataclasses.fields(RunConfig)} | {"seed"}
     extra = sorted(set(data) - allowed)
@@ -400,16 +401,16 @@ def _from_dict(data: dict[str, Any]) -> RunConfig:
             hint = (f"; {recipe_keys} are fields of a recipe (pasted from lowprec recipes --show?): put the recipe "
                     "under a [recipe] table ([recipe] for its top-level keys, [recipe.linear...] for its "
                     "[linear...] tables), or write recipe = \"NAME\", or pass --recipe FILE.toml")
-        raise ValueError(f"unknown key(s) {extra}; allowed: {sorted(allowed)}{hint}")
+        raise UsageError(f"unknown key(s) {extra}; allowed: {sorted(allowed)}{hint}")
     if "model" not in data:
-        raise ValueError("model is required: a zoo task name or 'package.module:function'")
+        raise UsageError("model is required: a zoo task name or 'package.module:function'")
     if "seed" in data:
         if "seeds" in data:
-            raise ValueError("give either seed or seeds, not both")
+            raise UsageError("give either seed or seeds, not both")
         data["seeds"] = [data.pop("seed")]
     if "seeds" in data:
         if not isinstance(data["seeds"], list):
-            raise ValueError(f"seeds must be a list of integers; got {data['seeds']!r}")
+            raise UsageError(f"seeds must be a list of integers; got {data['seeds']!r}")
         data["seeds"] = tuple(data["seeds"])
     if "recipe" in data:
         data["recipe"] = _recipe(data["recipe"])

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .._errors import UsageError
 from ._atomic import atomic_write_text
 
 _NAME = re.compile(r"^step-(\d{8})\.dcp$")
@@ -82,7 +83,7 @@ class _SafeReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
-            raise ValueError(f"{path} does not hold checkpoint metadata")
+            raise UsageError(f"{path} does not hold checkpoint metadata")
         meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         meta.load_id = self.load_id
         metadata.storage_meta = meta
@@ -106,7 +107,7 @@ def read_metadata(path: Path) -> Metadata:
     try:
         return _SafeReader(str(path)).read_metadata()
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise ValueError(f"checkpoint {str(path)!r} has unreadable or unsafe metadata ({e})") from None
+        raise UsageError(f"checkpoint {str(path)!r} has unreadable or unsafe metadata ({e})") from None
 
 
 def _sha256(path: Path) -> str:
@@ -156,7 +157,7 @@ def manifest_digest(path: Path) -> str:
     try:
         return _sha256(path / _MANIFEST)
     except OSError as e:
-        raise ValueError(f"checkpoint {str(path)!r} has no readable {_MANIFEST} ({e.strerror or e})") from None
+        raise UsageError(f"checkpoint {str(path)!r} has no readable {_MANIFEST} ({e.strerror or e})") from None
 
 
 def verify(path: Path) -> None:
@@ -169,17 +170,17 @@ def verify(path: Path) -> None:
         if not isinstance(listed, dict) or not all(isinstance(v, str) for v in listed.values()):
             raise TypeError("sha256 must map file names to hex digests")
     except (OSError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
-        raise ValueError(f"checkpoint {str(path)!r} has no readable {_MANIFEST} ({e})") from None
+        raise UsageError(f"checkpoint {str(path)!r} has no readable {_MANIFEST} ({e})") from None
     present = {p.name for p in path.iterdir()} - {_MANIFEST}
     for name in sorted(present - set(listed)):
-        raise ValueError(f"checkpoint {str(path)!r} holds {name!r}, which its {_MANIFEST} does not list")
+        raise UsageError(f"checkpoint {str(path)!r} holds {name!r}, which its {_MANIFEST} does not list")
     for name in (".metadata", "extra.pt"):
         if name not in listed:
-            raise ValueError(f"checkpoint {str(path)!r} is incomplete ({_MANIFEST} lists no {name})")
+            raise UsageError(f"checkpoint {str(path)!r} is incomplete ({_MANIFEST} lists no {name})")
     for name, want in listed.items():
         f = path / name
         if "/" in name or name in ("", ".", "..") or not f.is_file() or f.is_symlink() or _sha256(f) != want:
-            raise ValueError(f"checkpoint {str(path)!r} is corrupted ({name}: SHA-256 checksum mismatch)")
+            raise UsageError(f"checkpoint {str(path)!r} is corrupted ({name}: SHA-256 checksum mismatch)")
     read_metadata(path)
 
 

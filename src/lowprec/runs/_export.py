@@ -34,6 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from .._errors import UsageError
 from ._atomic import atomic_write_bytes, atomic_write_text
 from ._store import _RUN_ID, RunRecord, RunStore
 
@@ -88,7 +89,7 @@ def export_run(store: RunStore, run_id: str, *, fmt: Literal["csv", "json"],
     """Write run ``run_id`` (id or unique prefix) as ``fmt`` to ``out``: a path (written atomically; returned) or an
     open text stream (written, not closed; returns None).  See the module docstring for both layouts."""
     if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise UsageError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "csv":
         text = _wide_csv(store, store.get_run(run_id).run_id)
     else:
@@ -97,7 +98,7 @@ def export_run(store: RunStore, run_id: str, *, fmt: Literal["csv", "json"],
         out.write(text)  # type: ignore[union-attr]
         return None
     if not isinstance(out, str | os.PathLike):
-        raise ValueError(f"out must be a file path or a text stream, got {type(out).__name__}")
+        raise UsageError(f"out must be a file path or a text stream, got {type(out).__name__}")
     return atomic_write_text(out, text)
 
 
@@ -107,7 +108,7 @@ def _summary_writer() -> type:
             warnings.simplefilter("ignore")
             from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise ValueError("TensorBoard export needs the tensorboard package: pip install tensorboard "
+        raise UsageError("TensorBoard export needs the tensorboard package: pip install tensorboard "
                          f"(or pip install 'lowprec[tensorboard]'); import failed with: {e}") from e
     return SummaryWriter  # type: ignore[no-any-return]
 
@@ -116,12 +117,12 @@ def run_dir(base: str | os.PathLike[str], run_id: str) -> Path:
     """``base/<run_id>``, refused (ValueError) unless ``run_id`` is a run id (12 lowercase hex characters) and
     the result, with every symlink resolved, lies inside ``base``: defence in depth behind the store's own check."""
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
-        raise ValueError(f"refusing to build a directory for run id {run_id!r}: a run id is 12 lowercase hex "
+        raise UsageError(f"refusing to build a directory for run id {run_id!r}: a run id is 12 lowercase hex "
                          "characters")
     root = Path(base)
     path = root / run_id
     if not path.resolve().is_relative_to(root.resolve()):
-        raise ValueError(f"refusing to write {path}: it resolves to {path.resolve()}, outside {root.resolve()}")
+        raise UsageError(f"refusing to write {path}: it resolves to {path.resolve()}, outside {root.resolve()}")
     return path
 
 
@@ -142,7 +143,7 @@ def export_tensorboard(store: RunStore, run_id: str, logdir: str | os.PathLike[s
     scalars, events = store.scalars(rec.run_id), store.events(rec.run_id)  # verified before anything is written
     old = sorted(out_dir.glob("events.out.tfevents.*")) if out_dir.is_dir() else []
     if old and not overwrite:
-        raise ValueError(f"{out_dir} already holds TensorBoard event files ({old[0].name}, ...) of an earlier export "
+        raise UsageError(f"{out_dir} already holds TensorBoard event files ({old[0].name}, ...) of an earlier export "
                          "of this run: replace them (lowprec runs export --overwrite; overwrite=True in Python) or "
                          "export to another logdir (--out)")
     try:
@@ -150,7 +151,7 @@ def export_tensorboard(store: RunStore, run_id: str, logdir: str | os.PathLike[s
         for f in old:
             f.unlink()
     except OSError as e:
-        raise ValueError(f"cannot write TensorBoard files in {out_dir}: {e.strerror or e}") from e
+        raise UsageError(f"cannot write TensorBoard files in {out_dir}: {e.strerror or e}") from e
     writer = SummaryWriter(log_dir=str(out_dir))
     try:
         t = rec.created_at

@@ -43,6 +43,7 @@ import optax
 from torch import nn
 
 from .. import jax as lj
+from .._errors import UsageError
 from ..nn import EmulatedLinear, convert
 from ..recipes import LinearRecipe, Recipe
 from .zoo._digits import MLP
@@ -120,16 +121,16 @@ def model_plan(model: nn.Module, recipe: Recipe) -> Plan:
     if type(model) is MLP:
         act = type(model.act).__name__
         if act not in _ACTIVATIONS or getattr(model.act, "approximate", "none") != "none":
-            raise ValueError(f"framework = 'jax': activation {model.act!r} is not supported; use relu or gelu")
+            raise UsageError(f"framework = 'jax': activation {model.act!r} is not supported; use relu or gelu")
         return MLPPlan(params=names, linears=_linears(model, recipe), seed=recipe.seed, activation=act)
     if type(model) is TinyGPT:
         eps = {m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)}
         if len(eps) != 1:
-            raise ValueError(f"framework = 'jax': the GPT's LayerNorms must share one eps; got {sorted(eps)}")
+            raise UsageError(f"framework = 'jax': the GPT's LayerNorms must share one eps; got {sorted(eps)}")
         heads = {b.attn.heads for b in model.blocks if isinstance(b, Block)}
         return GPTPlan(params=names, linears=_linears(model, recipe), seed=recipe.seed, layers=len(model.blocks),
                        heads=heads.pop(), context=model.context, eps=eps.pop())
-    raise ValueError(f"framework = 'jax' supports the mlp-digits and gpt-bytes tasks; this task's model is "
+    raise UsageError(f"framework = 'jax' supports the mlp-digits and gpt-bytes tasks; this task's model is "
                      f"{type(model).__name__}: set framework = \"torch\"")
 
 
@@ -212,7 +213,7 @@ def forward(plan: Plan, params: Params, states: States, x: jax.Array, step: jax.
     ``states`` are read here, and their gradient is the advanced state (``lowprec.jax.linear``)."""
     if isinstance(plan, GPTPlan):
         if x.ndim != 2 or x.shape[1] > plan.context:
-            raise ValueError(f"gpt-bytes input must be [B, T] with T <= context ({plan.context}); got {x.shape}")
+            raise UsageError(f"gpt-bytes input must be [B, T] with T <= context ({plan.context}); got {x.shape}")
         return _gpt_forward(plan, params, states, x, step)
     return _mlp_forward(plan, params, states, x, step)
 

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from .. import jax as lj
+from .._errors import UsageError
 from ..recipes import Recipe
 from ._checkpoint import checkpoint_digest, checkpoint_dir, load_checkpoint, save_checkpoint
 from ._config import OptimizerConfig, RunConfig
@@ -140,11 +141,11 @@ class _JaxModule(nn.Module):
 
 def _check(config: RunConfig) -> None:
     if config.parallel.strategy != "single":
-        raise ValueError("framework = \"jax\" runs in one process: set parallel.strategy = \"single\"")
+        raise UsageError("framework = \"jax\" runs in one process: set parallel.strategy = \"single\"")
     if config.recipe.fallback is not None:
-        raise ValueError("recipe.fallback is not implemented for framework = \"jax\"; remove it or use torch")
+        raise UsageError("recipe.fallback is not implemented for framework = \"jax\"; remove it or use torch")
     if config.stats.every is not None:
-        raise ValueError("[stats] every is not implemented for framework = \"jax\"; remove it or use torch")
+        raise UsageError("[stats] every is not implemented for framework = \"jax\"; remove it or use torch")
 
 
 def jax_manifest(config: RunConfig, task: Task, seed: int) -> dict[str, Any]:
@@ -185,7 +186,7 @@ def _unpack(packed: dict[str, Any], like: TrainState, where: str) -> TrainState:
     got = list(zip(packed["dtypes"], packed["shapes"], strict=False))
     want = [(np.asarray(leaf).dtype.name, list(np.shape(leaf))) for leaf in leaves]
     if packed["treedef"] != str(treedef) or got != want:
-        raise ValueError(f"{where} does not match this run's model, recipe and optimizer (its state has another "
+        raise UsageError(f"{where} does not match this run's model, recipe and optimizer (its state has another "
                          "structure); resume a run with the config it was started with")
     return jax.tree_util.tree_unflatten(treedef, [
         jnp.asarray(np.frombuffer(b.numpy().tobytes(), dtype=np.asarray(leaf).dtype).reshape(shape))
@@ -206,20 +207,20 @@ def _restore(run_id: str, store: RunStore, like: TrainState, *, allow_restart: b
     record = store.get_run(run_id)
     framework = record.manifest.get("framework", "torch")
     if framework != "jax" or record.config.get("framework", "torch") != "jax":
-        raise ValueError(f"run {run_id} is a {framework} run: its checkpoints cannot be resumed as framework = "
+        raise UsageError(f"run {run_id} is a {framework} run: its checkpoints cannot be resumed as framework = "
                          f"\"jax\"; resume it with its stored config (lowprec run --resume {run_id})")
     check_resumable(record)
 
     def usable(c: Candidate) -> TrainState:
         where = f"checkpoint {str(c.path)!r}"
         if c.kind != "file":
-            raise ValueError(f"{where} is sharded (written by an FSDP2 run), not a JAX checkpoint")
+            raise UsageError(f"{where} is sharded (written by an FSDP2 run), not a JAX checkpoint")
         state = load_checkpoint(c.path)
         if state.get("framework") != "jax" or "jax_state" not in state:
-            raise ValueError(f"{where} was written by the PyTorch runner, not by a JAX run; resume it with "
+            raise UsageError(f"{where} was written by the PyTorch runner, not by a JAX run; resume it with "
                              "framework = \"torch\"")
         if state.get("run_id") != run_id or state.get("step") != c.step:
-            raise ValueError(f"{where} belongs to run {state.get('run_id')!r} step {state.get('step')!r}, not to "
+            raise UsageError(f"{where} belongs to run {state.get('run_id')!r} step {state.get('step')!r}, not to "
                              f"run {run_id!r} step {c.step}")
         return _unpack(state["jax_state"], like, where)
 

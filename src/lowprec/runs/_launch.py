@@ -33,6 +33,7 @@ import time
 import uuid
 from typing import Any
 
+from .._errors import UsageError
 from ._atomic import atomic_write_text
 from ._config import RunConfig
 from ._parallel import resolve_backend
@@ -58,7 +59,7 @@ def preflight(config: RunConfig, batch_size: int) -> int:
     """Raise ValueError for a layout that cannot work; returns the rendezvous port to use."""
     p = config.parallel
     if batch_size % p.world_size:
-        raise ValueError(f"batch_size {batch_size} is not divisible by parallel.world_size {p.world_size}; each "
+        raise UsageError(f"batch_size {batch_size} is not divisible by parallel.world_size {p.world_size}; each "
                          f"rank trains on batch_size / world_size rows: use a multiple of {p.world_size}")
     resolve_backend(p.backend)
     if p.master_port is None:
@@ -67,7 +68,7 @@ def preflight(config: RunConfig, batch_size: int) -> int:
         try:
             s.bind(("127.0.0.1", p.master_port))
         except OSError:
-            raise ValueError(f"parallel.master_port {p.master_port} is in use on this machine; pick another port "
+            raise UsageError(f"parallel.master_port {p.master_port} is in use on this machine; pick another port "
                              "or leave master_port unset to use a free one") from None
     return p.master_port
 
@@ -77,7 +78,7 @@ def launch(config: RunConfig, *, seed: int, batch_size: int, store: RunStore, re
     """Train one seed of ``config`` on ``parallel.world_size`` torchrun workers; returns the run id."""
     port = preflight(config, batch_size)
     if resume is not None and not _RUN_ID.fullmatch(resume):
-        raise ValueError(f"resume must be a full run id (12 lowercase hex characters), got {resume!r}")
+        raise UsageError(f"resume must be a full run id (12 lowercase hex characters), got {resume!r}")
     run_id = resume or uuid.uuid4().hex[:12]
     cfg_path = store.path.parent / "launch" / f"{run_id}.json"  # next to the store, whatever the cwd
     atomic_write_text(cfg_path, json.dumps(config.to_dict(), indent=2))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._errors import UsageError
 from ..recipes import Recipe
 
 
@@ -49,7 +50,7 @@ class World:
         if isinstance(batch, torch.Tensor):
             n = batch.shape[0]
             if n % self.size:
-                raise ValueError(f"a batch of {n} rows cannot be split evenly over {self.size} ranks; "
+                raise UsageError(f"a batch of {n} rows cannot be split evenly over {self.size} ranks; "
                                  f"choose batch_size divisible by parallel.world_size")
             k = n // self.size
             return batch[self.rank * k:(self.rank + 1) * k]
@@ -146,7 +147,7 @@ def launched_by_torchrun() -> bool:
 def init_world(strategy: str, backend: str = "auto", mesh_shape: tuple[int, int] | None = None) -> World:
     """Initialise the default process group from torchrun's environment (idempotent)."""
     if not launched_by_torchrun():
-        raise ValueError(f"parallel.strategy {strategy!r} needs torchrun: use `lowprec run CONFIG` (it launches "
+        raise UsageError(f"parallel.strategy {strategy!r} needs torchrun: use `lowprec run CONFIG` (it launches "
                          "torchrun itself) or `torchrun --nproc-per-node N -m lowprec.train CONFIG`")
     if not dist.is_initialized():
         chosen = resolve_backend(backend)
@@ -163,7 +164,7 @@ def init_world(strategy: str, backend: str = "auto", mesh_shape: tuple[int, int]
                                     world_size=int(os.environ["WORLD_SIZE"]))
     world = World(rank=dist.get_rank(), size=dist.get_world_size(), strategy=strategy, mesh_shape=mesh_shape)
     if mesh_shape is not None and mesh_shape[0] * mesh_shape[1] != world.size:
-        raise ValueError(f"parallel.mesh_shape {list(mesh_shape)} does not match the {world.size} processes "
+        raise UsageError(f"parallel.mesh_shape {list(mesh_shape)} does not match the {world.size} processes "
                          "torchrun started")
     return world
 
@@ -188,8 +189,8 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
-        raise ValueError("parallel.backend 'nccl' needs CUDA GPUs and a torch build with NCCL; this machine has "
+        raise UsageError("parallel.backend 'nccl' needs CUDA GPUs and a torch build with NCCL; this machine has "
                          f"cuda={torch.cuda.is_available()}, nccl={dist.is_nccl_available()}: use 'gloo' or 'auto'")
     if backend == "gloo" and not dist.is_gloo_available():
-        raise ValueError("parallel.backend 'gloo' is not available in this torch build; use 'nccl' or 'auto'")
+        raise UsageError("parallel.backend 'gloo' is not available in this torch build; use 'nccl' or 'auto'")
     return backend

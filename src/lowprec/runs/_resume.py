@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .._errors import UsageError
 from ._checkpoint import checkpoint_digest, clean_partial, list_checkpoints
 from ._store import RunRecord, RunStore
 
@@ -81,10 +82,10 @@ def check_resumable(record: RunRecord) -> None:
     """``ValueError`` when ``record`` must not be resumed: it completed, or a live process on this host still
     writes it (the store's dead-process rule already shows a run whose process died as failed)."""
     if record.status in ("completed", "diverged"):  # a diverged run is a result too
-        raise ValueError(f"run {record.run_id} ({record.name}) is {record.status}: there is nothing to resume, and "
+        raise UsageError(f"run {record.run_id} ({record.name}) is {record.status}: there is nothing to resume, and "
                          "resuming would change a finished result; start a new run with lowprec run CONFIG")
     if record.status == "running" and record.hostname == socket.gethostname():
-        raise ValueError(f"run {record.run_id} ({record.name}) is still running in process {record.pid} on this "
+        raise UsageError(f"run {record.run_id} ({record.name}) is still running in process {record.pid} on this "
                          "host; stop that process (or wait for it) before resuming the run")
 
 
@@ -141,7 +142,7 @@ def choose(store: RunStore, record: RunRecord, directory: Path, usable: Callable
             problems.append(str(e))
     if held and not allow_restart:
         found = f" ({'; '.join(problems)})" if problems else " (it has none)"
-        raise ValueError(f"run {run_id} cannot be resumed: the store holds its steps 1..{held}, but "
+        raise UsageError(f"run {run_id} cannot be resumed: the store holds its steps 1..{held}, but "
                          f"{str(directory)!r} has no usable checkpoint at or before step {held}{found}. Continuing "
                          f"would start over from step 0 and delete the {held} recorded steps: pass --allow-restart "
                          "(allow_restart=True) to do that")

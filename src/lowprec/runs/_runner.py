@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .._errors import UsageError
 from ..nn import EmulatedLinear, convert
 from ..optim import LowPrecisionOptimizer
 from ._checkpoint import checkpoint_digest, checkpoint_dir, load_checkpoint, save_checkpoint
@@ -60,7 +61,7 @@ observer's cost at 50 is a few % of step time; see docs/numerics.md)."""
 
 def _check_fallback(config: RunConfig, world: World | None = None) -> None:
     if config.parallel.strategy in SHARDED or (world is not None and world.strategy in SHARDED):
-        raise ValueError(f"recipe.fallback (automatic per-layer fallback) works in single-process and DDP runs, not "
+        raise UsageError(f"recipe.fallback (automatic per-layer fallback) works in single-process and DDP runs, not "
                          f"with parallel.strategy = {config.parallel.strategy!r}: FSDP2 shards each weight for the "
                          f"recipe's all-gather format when the run starts; set parallel.strategy = \"ddp\" or "
                          f"\"single\", or remove the recipe's fallback")
@@ -169,15 +170,15 @@ def _check_file_state(state: dict[str, Any], c: Candidate, run_id: str) -> None:
     ``run_id`` with every part the runner loads."""
     where = f"checkpoint {str(c.path)!r}"
     if state.get("framework", "torch") != "torch":
-        raise ValueError(f"{where} was written by a framework = {state.get('framework')!r} run; resume it with that "
+        raise UsageError(f"{where} was written by a framework = {state.get('framework')!r} run; resume it with that "
                          f"framework (lowprec run --resume {run_id} picks the run's own)")
     missing = [k for k in _STATE_KEYS if k not in state]
     if missing:
-        raise ValueError(f"{where} is not a lowprec training checkpoint (it has no {', '.join(missing)})")
+        raise UsageError(f"{where} is not a lowprec training checkpoint (it has no {', '.join(missing)})")
     if state["run_id"] != run_id:
-        raise ValueError(f"{where} belongs to run {state['run_id']!r}, not {run_id!r}")
+        raise UsageError(f"{where} belongs to run {state['run_id']!r}, not {run_id!r}")
     if state["step"] != c.step:
-        raise ValueError(f"{where} holds step {state['step']!r}, not the step {c.step} its name says")
+        raise UsageError(f"{where} holds step {state['step']!r}, not the step {c.step} its name says")
 
 
 def _load_file_state(st: _State, state: dict[str, Any]) -> None:
@@ -211,7 +212,7 @@ def _pick(st: _State, store: RunStore, record: RunRecord, directory: Path, *,
             try:
                 _load_file_state(st, state)
             except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
-                raise ValueError(f"checkpoint {str(c.path)!r} verifies but does not fit this run's model and "
+                raise UsageError(f"checkpoint {str(c.path)!r} verifies but does not fit this run's model and "
                                  f"optimizer: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         return state
 
@@ -239,7 +240,7 @@ def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore, *, all
             picked = str(e)
     picked = st.world.broadcast(picked)
     if isinstance(picked, str):  # every rank raises the same error
-        raise ValueError(picked)
+        raise UsageError(picked)
     step, kind, path, problems, discarded = picked
     for p in problems if st.world.is_main else []:
         print(f"lowprec: warning: skipping {p}")
@@ -255,7 +256,7 @@ def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore, *, all
     elif kind == "sharded":
         state = load_sharded(path, st.model if st.world.strategy in SHARDED else unwrap(st.model), st.optimizer)
         if state.get("run_id") != run_id:
-            raise ValueError(f"checkpoint of step {step} belongs to run {state.get('run_id')!r}, not {run_id!r}")
+            raise UsageError(f"checkpoint of step {step} belongs to run {state.get('run_id')!r}, not {run_id!r}")
         torch.set_rng_state(state["torch_rng"])
     if state is not None:
         st.step = int(state["step"])
@@ -511,7 +512,7 @@ def _open_run(config: RunConfig, task: Task, st: _State, store: RunStore, *, see
                 record = store.get_run(resume)
                 framework = record.manifest.get("framework", "torch")
                 if framework != "torch":
-                    raise ValueError(f"run {record.run_id} is a framework = {framework!r} run: it cannot be resumed "
+                    raise UsageError(f"run {record.run_id} is a framework = {framework!r} run: it cannot be resumed "
                                      f"as framework = \"torch\"; resume it with lowprec run --resume {record.run_id}")
                 check_resumable(record)
                 opened = (record.run_id, False)
@@ -519,7 +520,7 @@ def _open_run(config: RunConfig, task: Task, st: _State, store: RunStore, *, see
                 opened = str(e)
         opened = w.broadcast(opened)
         if isinstance(opened, str):
-            raise ValueError(opened)
+            raise UsageError(opened)
         rid, create = opened
     else:
         # the run exists: a new launch of the workers (lowprec run --resume of a data-parallel run), or an
@@ -559,7 +560,7 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
                          allow_restart=allow_restart)
     world = world or World()
     if world.distributed and world.strategy != config.parallel.strategy:
-        raise ValueError(f"parallel.strategy is {config.parallel.strategy!r} but the process group was set up for "
+        raise UsageError(f"parallel.strategy is {config.parallel.strategy!r} but the process group was set up for "
                          f"{world.strategy!r}: pass init_world(config.parallel.strategy, ...) as world")
     try:
         return _train_torch(config, seed=seed, store=store, resume=resume, progress=progress, world=world,

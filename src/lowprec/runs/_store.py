@@ -93,6 +93,8 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from .._errors import UsageError
+
 __all__ = ["DEFAULT_PATH", "MIGRATIONS", "BaselineCheck", "RunCheck", "RunRecord", "RunStore", "RunTakenOver",
            "StoreCheck", "StoreCorrupt", "StoreError"]
 
@@ -198,7 +200,7 @@ _V3 = (
 MIGRATIONS: list[tuple[str, ...]] = [_V1, _V2, _V3]
 
 
-class StoreError(ValueError):
+class StoreError(UsageError):
     """The run store cannot do what was asked: unreadable/corrupt file, unwritable path, unknown run id, ..."""
 
 
@@ -405,29 +407,29 @@ def _process_alive(pid: int, start: str | None) -> bool:
 
 def _dumps(field: str, obj: Any) -> str:
     if not isinstance(obj, Mapping):
-        raise ValueError(f"{field} must be a dict, got {type(obj).__name__}")
+        raise UsageError(f"{field} must be a dict, got {type(obj).__name__}")
     try:
         return json.dumps(obj, sort_keys=True)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{field} must be JSON-serialisable (dict, list, str, int, float, bool, None): {e}") from e
+        raise UsageError(f"{field} must be JSON-serialisable (dict, list, str, int, float, bool, None): {e}") from e
 
 
 def _check_text(field: str, value: Any, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{field} must be a non-empty string, got {value!r}")
+        raise UsageError(f"{field} must be a non-empty string, got {value!r}")
 
 
 def _check_step(field: str, step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ValueError(f"{field} must be an integer >= 0, got {step!r}")
+        raise UsageError(f"{field} must be an integer >= 0, got {step!r}")
     return int(step)
 
 
 def _check_run_id(run_id: Any) -> str:
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
-        raise ValueError(f"run_id must be 12 lowercase hex characters (a full run id), got {run_id!r}")
+        raise UsageError(f"run_id must be 12 lowercase hex characters (a full run id), got {run_id!r}")
     return run_id
 
 
@@ -436,7 +438,7 @@ def _scalar_row(step: Any, key: Any, value: Any) -> tuple[int, str, float | None
     try:
         v = float(value)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"scalar {key!r} at step {step} must be a real number, got {value!r}") from e
+        raise UsageError(f"scalar {key!r} at step {step} must be a real number, got {value!r}") from e
     return _check_step(f"step of scalar {key!r}", step), key, (None if math.isnan(v) else (v if v != 0.0 else 0.0))
 
 
@@ -524,7 +526,7 @@ class RunStore:
     def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH, *,
                  synchronous: Literal["full", "normal"] = "normal", create: bool = True) -> None:
         if synchronous not in ("full", "normal"):
-            raise ValueError(f"synchronous must be 'full' or 'normal', got {synchronous!r}")
+            raise UsageError(f"synchronous must be 'full' or 'normal', got {synchronous!r}")
         self.path = Path(os.path.abspath(os.fspath(path)))
         self.synchronous = synchronous
         self.create = create
@@ -780,7 +782,7 @@ class RunStore:
         _check_text("name", name)
         _check_text("group", group, optional=True)
         if run_id is not None and (not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id)):
-            raise ValueError(f"run_id must be 12 lowercase hex characters, got {run_id!r}")
+            raise UsageError(f"run_id must be 12 lowercase hex characters, got {run_id!r}")
         config_json, manifest_json = _dumps("config", config), _dumps("manifest", manifest)
         host, pid, pid_start = self._owner()
         attempt = _new_attempt()
@@ -825,7 +827,7 @@ class RunStore:
 
     def _resolve(self, c: sqlite3.Connection, ident: str) -> str:
         if not isinstance(ident, str):
-            raise ValueError(f"run id must be a string, got {ident!r}")
+            raise UsageError(f"run id must be a string, got {ident!r}")
         p = ident.strip().lower()
         if len(p) < MIN_PREFIX:
             raise StoreError(f"run id prefix {ident!r} is too short: give at least {MIN_PREFIX} of its 12 characters")
@@ -911,7 +913,7 @@ class RunStore:
         """Runs, newest first, optionally only one group and/or one (shown) status.  Every id is validated; with
         ``verify`` every record is checked against its checksum (``StoreCorrupt`` names the first bad run)."""
         if status is not None and status not in STATUSES:
-            raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+            raise UsageError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
         sql, args = self._runs_sql(), tuple[str, ...]()
         if group is not None:
             sql, args = sql + " WHERE r.grp = ?", (group,)
@@ -998,9 +1000,9 @@ class RunStore:
         outlived its launcher cannot flip the run afterwards.  When the store cannot be written (a full disk), the
         ``StoreError`` names ``error`` too, so the reason is not lost."""
         if status not in FINAL_STATUSES:
-            raise ValueError(f"status must be one of {', '.join(FINAL_STATUSES)}, got {status!r}")
+            raise UsageError(f"status must be one of {', '.join(FINAL_STATUSES)}, got {status!r}")
         if error is not None and not isinstance(error, str):
-            raise ValueError(f"error must be a string or None, got {error!r}")
+            raise UsageError(f"error must be a string or None, got {error!r}")
 
         def finish(c: sqlite3.Connection) -> None:
             rid = self._resolve(c, run_id)
@@ -1064,7 +1066,7 @@ class RunStore:
     def log_scalars(self, run_id: str, step: int, values: Mapping[str, float]) -> None:
         """Store ``values`` (key -> number) at ``step`` in one transaction; a repeated (key, step) replaces."""
         if not isinstance(values, Mapping):
-            raise ValueError(f"values must be a mapping of key -> number, got {type(values).__name__}")
+            raise UsageError(f"values must be a mapping of key -> number, got {type(values).__name__}")
         self.log_rows(run_id, [(step, k, v) for k, v in values.items()])
 
     def log_rows(self, run_id: str, rows: Iterable[tuple[int, str, float]]) -> None:

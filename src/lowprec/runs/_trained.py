@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._errors import UsageError
 from ._config import RunConfig
 
 
@@ -58,7 +59,7 @@ def load_trained(store: Any, run_id: str) -> Calibrated:
     point = choose(store, rec, checkpoint_dir(store.path, rec.run_id), lambda c: load_checkpoint(c.path),
                    allow_restart=True, clean=False)  # resume's rules: only a checkpoint recorded for this run
     if point.candidate is None:
-        raise ValueError(f"run {rec.run_id} has no usable checkpoint to load its model from"
+        raise UsageError(f"run {rec.run_id} has no usable checkpoint to load its model from"
                          + (f" ({'; '.join(point.problems)})" if point.problems else ""))
     step, state = point.step, point.loaded
     model = task.model
@@ -84,7 +85,7 @@ def final_loss(store: Any, run_id: str) -> float:
     """The last ``eval/loss`` of a stored run (the task's final evaluation loss)."""
     scalars = store.scalars(run_id)
     if "eval/loss" not in scalars:
-        raise ValueError(f"run {run_id} recorded no eval/loss: the training probe needs a task with an evaluation")
+        raise UsageError(f"run {run_id} recorded no eval/loss: the training probe needs a task with an evaluation")
     return float(scalars["eval/loss"][1][-1])
 
 

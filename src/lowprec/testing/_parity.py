@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import UsageError
 from .tolerances import TOLERANCES
 
 
@@ -53,14 +54,14 @@ def check_parity(config: Any, *, store: Any, against: str = "single", world_size
         fields["mesh_shape"] = None
     ref_par = ParallelConfig(**fields)
     if ref_par == config.parallel:
-        raise ValueError(f"--against {against!r} is the config's own layout; pick another strategy or world size")
+        raise UsageError(f"--against {against!r} is the config's own layout; pick another strategy or world size")
     (rid,) = run_config(config, store=store, progress=progress)
     (ref,) = run_config(dataclasses.replace(config, parallel=ref_par, name=None, group=None), store=store,
                         progress=progress)
     a_steps, a = store.scalars(rid)["train/loss"]
     b_steps, b = store.scalars(ref)["train/loss"]
     if not np.array_equal(a_steps, b_steps):
-        raise ValueError(f"runs {rid} and {ref} recorded different steps; parity needs two completed runs")
+        raise UsageError(f"runs {rid} and {ref} recorded different steps; parity needs two completed runs")
     rel = float(np.max(np.abs(a - b) / np.maximum(np.abs(b), np.finfo(np.float64).tiny))) if len(a) else 0.0
     return ParityResult(run_id=rid, reference_id=ref, steps=len(a), bitwise=bool(np.array_equal(a, b)),
                         max_rel_diff=rel, tolerance=TOLERANCES["ddp_vs_single_loss_rel"].value)

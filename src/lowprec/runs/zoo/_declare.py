@@ -26,6 +26,8 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
+from ..._errors import UsageError
+
 TASK_ATTR = "__lowprec_task__"
 """The attribute :func:`task` sets to ``True`` on a builder."""
 ENTRY_POINT_GROUP = "lowprec.tasks"
@@ -56,13 +58,13 @@ def _register(name: str, builder: Callable[..., Any]) -> None:
     from ._registry import _TASKS  # the built-in names (imported here: _registry imports the built-in builders)
 
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise ValueError(f"task name must be letters, digits, '_', '.' or '-' (no colon), starting with a letter "
+        raise UsageError(f"task name must be letters, digits, '_', '.' or '-' (no colon), starting with a letter "
                          f"or digit; got {name!r}")
     if name in _TASKS:
-        raise ValueError(f"task name {name!r} is a built-in task; choose another name")
+        raise UsageError(f"task name {name!r} is a built-in task; choose another name")
     old = _NAMED.get(name)
     if old is not None and old is not builder and _origin(old) != _origin(builder):
-        raise ValueError(f"task name {name!r} is already registered for {_origin(old)}; choose another name")
+        raise UsageError(f"task name {name!r} is already registered for {_origin(old)}; choose another name")
     _NAMED[name] = builder
 
 

@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from ..._errors import UsageError
 from ._declare import ENTRY_POINT_GROUP, is_task, registered, registered_names
 from ._digits import cnn_digits, mlp_digits
 from ._synthetic import synthetic_regression
@@ -72,7 +73,7 @@ def _load_named_entry_point(name: str) -> Callable[..., Task] | None:
     if not found:
         return None
     if len(found) > 1:
-        raise ValueError(f"model {name!r} is declared by several {ENTRY_POINT_GROUP!r} entry points: "
+        raise UsageError(f"model {name!r} is declared by several {ENTRY_POINT_GROUP!r} entry points: "
                          + ", ".join(f"{ep.value!r} ({_dist_of(ep)})" for ep in found)
                          + "; name the one you mean as 'package.module:function'")
     (ep,) = found
@@ -80,9 +81,9 @@ def _load_named_entry_point(name: str) -> Callable[..., Task] | None:
     try:
         obj = ep.load()
     except Exception as e:
-        raise ValueError(f"{where}: loading it failed: {type(e).__name__}: {e}") from e
+        raise UsageError(f"{where}: loading it failed: {type(e).__name__}: {e}") from e
     if not callable(obj):
-        raise ValueError(f"{where} is a {type(obj).__name__}, not callable")
+        raise UsageError(f"{where} is a {type(obj).__name__}, not callable")
     return obj  # type: ignore[no-any-return]
 
 
@@ -119,7 +120,7 @@ def resolve_builder(name: str) -> Callable[..., Task]:
         if builder is not None:
             return builder
     extra = registered_names() + entry_point_names()
-    raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(names())}"
+    raise UsageError(f"unknown task {name!r}; built-in tasks: {', '.join(names())}"
                      + (f"; declared tasks: {', '.join(extra)}" if extra else "")
                      + " (or give an entry point 'package.module:function' of a function decorated with "
                        "@lowprec.runs.zoo.task)")
@@ -130,7 +131,7 @@ def get_task(name: str, *, seed: int, batch_size: int | None = None, **options: 
 
     ``batch_size=None`` takes the task's default.  ``options`` are the task's model/data options (e.g.
     ``hidden=256`` for ``mlp-digits``); each is validated, and a ValueError names the bad option and what is
-    allowed.  Unknown names raise ValueError listing :func:`names`; a ``module:function`` whose function is not
+    allowed.  Unknown names raise UsageError listing :func:`names`; a ``module:function`` whose function is not
     declared a task (``@lowprec.runs.zoo.task`` or a ``lowprec.tasks`` entry point) raises ValueError before
     any option is looked at and before the function is called.
     """
@@ -140,11 +141,11 @@ def get_task(name: str, *, seed: int, batch_size: int | None = None, **options: 
     if allowed is not None:
         unknown = sorted(set(options) - set(allowed))
         if unknown:
-            raise ValueError(f"task {name!r} has no option {unknown[0]!r}; its options are: "
+            raise UsageError(f"task {name!r} has no option {unknown[0]!r}; its options are: "
                              f"{', '.join(allowed) or '(none)'}")
     task = builder(seed=seed, batch_size=batch_size, **options)
     if not isinstance(task, Task):
-        raise ValueError(f"task builder {name!r} returned {type(task).__name__}, not a lowprec.runs.zoo.Task")
+        raise UsageError(f"task builder {name!r} returned {type(task).__name__}, not a lowprec.runs.zoo.Task")
     return task
 
 
@@ -158,29 +159,29 @@ def load_entry_point(spec: str) -> Callable[..., Task]:
     that is not declared (the message names the ``model`` field and how to declare it).
     """
     if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"entry point must be 'package.module:function' (one colon); got {spec!r}")
+        raise UsageError(f"entry point must be 'package.module:function' (one colon); got {spec!r}")
     mod_name, attr = spec.split(":")
     if not _DOTTED.fullmatch(mod_name) or not _DOTTED.fullmatch(attr):
-        raise ValueError(f"entry point must be 'package.module:function' with dotted Python identifiers on both "
+        raise UsageError(f"entry point must be 'package.module:function' with dotted Python identifiers on both "
                          f"sides of the colon; got {spec!r}")
     try:
         obj: Any = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         if e.name is not None and (mod_name == e.name or mod_name.startswith(e.name + ".")):
-            raise ValueError(f"entry point {spec!r}: no module named {e.name!r} (is it installed, or on "
+            raise UsageError(f"entry point {spec!r}: no module named {e.name!r} (is it installed, or on "
                              "PYTHONPATH?)") from None
-        raise ValueError(f"entry point {spec!r}: importing module {mod_name!r} failed: {e}") from e
+        raise UsageError(f"entry point {spec!r}: importing module {mod_name!r} failed: {e}") from e
     except Exception as e:
-        raise ValueError(f"entry point {spec!r}: importing module {mod_name!r} failed: "
+        raise UsageError(f"entry point {spec!r}: importing module {mod_name!r} failed: "
                          f"{type(e).__name__}: {e}") from e
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
             where = ".".join([mod_name] + attr.split(".")[:i])
-            raise ValueError(f"entry point {spec!r}: {where!r} has no attribute {part!r}")
+            raise UsageError(f"entry point {spec!r}: {where!r} has no attribute {part!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"entry point {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
+        raise UsageError(f"entry point {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
     if not is_task(obj) and not _declared_by_entry_point(spec):
-        raise ValueError(f"model = {spec!r}: {mod_name}.{attr} is not declared a lowprec task, so a run config "
+        raise UsageError(f"model = {spec!r}: {mod_name}.{attr} is not declared a lowprec task, so a run config "
                          f"may not call it; if it builds a lowprec.runs.zoo.Task, {_FIX}")
     return obj  # type: ignore[no-any-return]

@@ -24,6 +24,7 @@ import functools
 import torch
 from torch import nn
 
+from ..._errors import UsageError
 from ._declare import task
 from ._task import (
     Task,
@@ -92,7 +93,7 @@ def synthetic_regression(
     features = check_int("features", features, 1, 4096, task=name)
     outputs = check_int("outputs", outputs, 1, 4096, task=name)
     if samples <= features:
-        raise ValueError(f"task {name!r}: option samples must exceed features ({features}) so that the optimum "
+        raise UsageError(f"task {name!r}: option samples must exceed features ({features}) so that the optimum "
                          f"is unique; got {samples}")
     bs = check_batch_size(batch_size, 64, task=name, most=samples)
     x, y = regression_data(samples, features, outputs)

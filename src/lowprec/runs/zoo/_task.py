@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..._errors import UsageError
+
 DIRECTIONS = ("min", "max")
 
 
@@ -56,14 +58,14 @@ class Task:
 
     def __post_init__(self) -> None:
         if "loss" not in self.metrics:
-            raise ValueError(f"Task.metrics must include 'loss'; got {sorted(self.metrics)}")
+            raise UsageError(f"Task.metrics must include 'loss'; got {sorted(self.metrics)}")
         for k, v in self.metrics.items():
             if v not in DIRECTIONS:
-                raise ValueError(f"Task.metrics[{k!r}] must be 'min' or 'max'; got {v!r}")
+                raise UsageError(f"Task.metrics[{k!r}] must be 'min' or 'max'; got {v!r}")
         if not isinstance(self.model, torch.nn.Module):
-            raise ValueError(f"Task.model must be a torch.nn.Module; got {type(self.model).__name__}")
+            raise UsageError(f"Task.model must be a torch.nn.Module; got {type(self.model).__name__}")
         if not isinstance(self.samples_per_step, int) or self.samples_per_step < 1:
-            raise ValueError(f"Task.samples_per_step must be a positive int; got {self.samples_per_step!r}")
+            raise UsageError(f"Task.samples_per_step must be a positive int; got {self.samples_per_step!r}")
 
 
 # ---------------------------------------------------------------------------------------------- seeds and data
@@ -98,9 +100,9 @@ def check_step(step: Any) -> int:
     try:
         s = operator.index(step)
     except TypeError:
-        raise ValueError(f"step must be an int >= 0; got {step!r}") from None
+        raise UsageError(f"step must be an int >= 0; got {step!r}") from None
     if s < 0 or isinstance(step, bool):
-        raise ValueError(f"step must be an int >= 0; got {step!r}")
+        raise UsageError(f"step must be an int >= 0; got {step!r}")
     return s
 
 
@@ -130,28 +132,28 @@ def epoch_sampler(n: int, batch_size: int, *, seed: int, stream: str) -> Callabl
 def check_seed(seed: Any) -> int:
     """``seed`` as an int in [0, 2**63) (ValueError naming ``seed`` otherwise)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an int in [0, 2**63); got {seed!r}")
+        raise UsageError(f"seed must be an int in [0, 2**63); got {seed!r}")
     return seed
 
 
 def check_int(name: str, value: Any, lo: int, hi: int, *, task: str) -> int:
     """``value`` as an int in ``[lo, hi]``; ValueError naming the task option, the bad value and the range."""
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"task {task!r}: option {name} must be an int in [{lo}, {hi}]; got {value!r}")
+        raise UsageError(f"task {task!r}: option {name} must be an int in [{lo}, {hi}]; got {value!r}")
     return value
 
 
 def check_float(name: str, value: Any, lo: float, hi: float, *, task: str) -> float:
     """``value`` as a finite float in ``[lo, hi]``; ValueError naming the option otherwise."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise ValueError(f"task {task!r}: option {name} must be a number in [{lo}, {hi}]; got {value!r}")
+        raise UsageError(f"task {task!r}: option {name} must be a number in [{lo}, {hi}]; got {value!r}")
     return float(value)
 
 
 def check_choice(name: str, value: Any, allowed: Sequence[Any], *, task: str) -> Any:
     """``value`` if it is one of ``allowed``; ValueError listing them otherwise."""
     if isinstance(value, bool) != any(isinstance(a, bool) for a in allowed) or value not in allowed:
-        raise ValueError(f"task {task!r}: option {name} must be one of {list(allowed)}; got {value!r}")
+        raise UsageError(f"task {task!r}: option {name} must be one of {list(allowed)}; got {value!r}")
     return value
 
 
@@ -160,7 +162,7 @@ def check_batch_size(batch_size: Any, default: int, *, task: str, most: int) -> 
     if batch_size is None:
         return default
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= most:
-        raise ValueError(f"task {task!r}: batch_size must be an int in [1, {most}]; got {batch_size!r}")
+        raise UsageError(f"task {task!r}: batch_size must be an int in [1, {most}]; got {batch_size!r}")
     return batch_size
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..._errors import UsageError
 from ._declare import task
 from ._task import (
     Task,
@@ -56,7 +57,7 @@ def text_bytes() -> bytes:
     try:
         from pydoc_data.topics import topics
     except ImportError as e:  # some distributions split the standard library's docs into a separate package
-        raise ValueError(
+        raise UsageError(
             f"task 'gpt-bytes' needs the standard-library module pydoc_data.topics, which this Python "
             f"({platform.python_version()}) lacks ({e}); install your distribution's full Python standard library"
         ) from None
@@ -123,7 +124,7 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.context:
-            raise ValueError(f"sequence length {t} exceeds the model's context {self.context}")
+            raise UsageError(f"sequence length {t} exceeds the model's context {self.context}")
         x = self.tok_embed(idx) + self.pos_embed.weight[:t]
         for block in self.blocks:
             x = block(x)
@@ -175,7 +176,7 @@ def gpt_bytes(
     heads = check_int("heads", heads, 1, 64, task=name)
     d_model = check_int("d_model", d_model, 8, 4096, task=name)
     if d_model % heads:
-        raise ValueError(f"task {name!r}: option d_model must be a multiple of heads ({heads}); got {d_model}")
+        raise UsageError(f"task {name!r}: option d_model must be a multiple of heads ({heads}); got {d_model}")
     context = check_int("context", context, 2, 1024, task=name)
     tie_head = check_choice("tie_head", tie_head, [False, True], task=name)
     bs = check_batch_size(batch_size, 32, task=name, most=4096)

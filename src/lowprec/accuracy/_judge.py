@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import scipy.stats
 
+from .._errors import UsageError
 from ._baseline import LOSS_KEY, Baseline, RunData, config_digest, final_value, planned_steps
 from ._stats import find_spike, margin_test, pooled_std, smooth
 
@@ -130,14 +131,14 @@ def judge(baseline: Baseline, candidates: list[RunData]) -> Verdict:
     ValueError when there is no candidate, when two candidates share a seed, or when a candidate is not
     comparable (``Baseline.check_compatible``).  Everything else is a verdict, never an exception."""
     if not candidates:
-        raise ValueError("judge needs at least one candidate run")
+        raise UsageError("judge needs at least one candidate run")
     check_alike(candidates)
     seen: dict[Any, str] = {}
     for run in candidates:
         baseline.check_compatible(run)
         seed = run.manifest.get("seed")
         if seed in seen:
-            raise ValueError(f"candidate runs {seen[seed]} and {run.label} share seed {seed!r}; seeds must be "
+            raise UsageError(f"candidate runs {seen[seed]} and {run.label} share seed {seed!r}; seeds must be "
                              f"distinct (repeats of one seed are not independent samples)")
         seen[seed] = run.label
     results = [_completion(baseline, candidates), _divergence(baseline, candidates), _curve(baseline, candidates)]
@@ -172,7 +173,7 @@ def check_alike(candidates: list[RunData]) -> None:
         got = experiment(run)
         diff = [f"{k} {got[k]!r} vs {want[k]!r}" for k in want if got[k] != want[k]]
         if diff:
-            raise ValueError(f"candidate runs {first.label} and {run.label} are not seeds of one experiment "
+            raise UsageError(f"candidate runs {first.label} and {run.label} are not seeds of one experiment "
                              f"({'; '.join(diff)}): judge them as separate groups (give each config its own "
                              f"name or group) or select the runs of one")
 

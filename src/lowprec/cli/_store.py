@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._cli_runs import add_store_arg, store_path
+from ._runs import add_store_arg, store_path
 
 
 def cmd_store_check(args: argparse.Namespace) -> int:
-    from .runs._store import RunStore, StoreCorrupt
+    from ..runs._store import RunStore, StoreCorrupt
 
     path = store_path(args)
     try:

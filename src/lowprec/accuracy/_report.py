@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._atomic import atomic_write_text
+from ..runs._atomic import atomic_write_text
 from ._baseline import LOSS_KEY, Baseline, RunData, final_value, identity_config
 from ._judge import WORDS, Verdict, candidate_mean_curve, combine_outcomes, curve_band
 from ._stats import smooth

@@ -8,15 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._cli_runs import add_store_arg, config_with_overrides, open_store, store_path
+from .._errors import UsageError
+from ._runs import add_store_arg, config_with_overrides, open_store, store_path
 
 
 def _criteria(path: str | None) -> Any:
     """The ``Criteria`` of ``--criteria FILE`` (TOML, or JSON for ``*.json``; a top-level ``criteria`` table is
     unwrapped), or None.  Every problem is a ValueError naming the file: missing, unreadable, not valid or too
     deeply nested TOML/JSON (``parse_toml``/``parse_json``), or a bad field."""
-    from ._parse import parse_json, parse_toml
-    from .runs._stats import Criteria
+    from .._parse import parse_json, parse_toml
+    from ..accuracy._stats import Criteria
 
     if path is None:
         return None
@@ -24,15 +25,15 @@ def _criteria(path: str | None) -> Any:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ValueError(f"criteria file {path!r} does not exist") from None
+        raise UsageError(f"criteria file {path!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read criteria file {path!r}: {e}") from None
+        raise UsageError(f"cannot read criteria file {path!r}: {e}") from None
     where = f"criteria file {path!r}"
     data = parse_json(text, where=where) if p.suffix == ".json" else parse_toml(text, where=where)
     try:
         return Criteria.from_dict(data.get("criteria", data) if isinstance(data, dict) else data)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise UsageError(f"{path}: {e}") from None
 
 
 def baseline_seeds(values: list[int] | None) -> int | tuple[int, ...]:
@@ -46,13 +47,13 @@ def baseline_seeds(values: list[int] | None) -> int | tuple[int, ...]:
 
 
 def cmd_baseline(args: argparse.Namespace) -> int:
-    from .runs._workflow import run_baseline
+    from ..runs._seeds import train_baseline
 
     seeds = baseline_seeds(args.seeds)
     config = config_with_overrides(args, apply_seeds=False)
     criteria = _criteria(args.criteria)
     with open_store(config.store) as store:
-        b = run_baseline(config, name=args.name, store=store, seeds=seeds, criteria=criteria,
+        b = train_baseline(config, name=args.name, store=store, seeds=seeds, criteria=criteria,
                          overwrite=args.overwrite, progress=not args.quiet)
     print(f"baseline {b.name!r}: {b.model}, {len(b.seeds)} seeds {list(b.seeds)}, {b.steps} steps")
     for metric, values in b.finals.items():
@@ -64,7 +65,7 @@ def cmd_baseline(args: argparse.Namespace) -> int:
 
 
 def cmd_baselines(args: argparse.Namespace) -> int:
-    from .runs._baseline import Baseline
+    from ..accuracy._baseline import Baseline
 
     with open_store(store_path(args), create=args.action == "import") as store:
         if args.action == "list":
@@ -94,7 +95,7 @@ def cmd_baselines(args: argparse.Namespace) -> int:
 
 
 def _judged(args: argparse.Namespace) -> tuple[Any, list[Any], list[Any]]:
-    from .runs._workflow import judge_groups, load_baseline, select_runs
+    from ..accuracy._workflow import judge_groups, load_baseline, select_runs
 
     left_out: list[str] = []
     with open_store(store_path(args), create=False) as store:
@@ -116,14 +117,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def _exit_code(verdicts: list[Any]) -> int:
     """0 when every group PASSes, 1 when any FAILs, 3 when none FAILs but some are INCONCLUSIVE (2: usage error)."""
-    from .runs._judge import EXIT_CODES, combine_outcomes
+    from ..accuracy._judge import EXIT_CODES, combine_outcomes
 
     return EXIT_CODES[combine_outcomes([v.outcome for v in verdicts])]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .runs._plan import format_plan, plan
-    from .runs._workflow import load_baseline
+    from ..accuracy._plan import format_plan, plan
+    from ..accuracy._workflow import load_baseline
 
     if args.baseline.endswith(".json") or Path(args.baseline).is_file():
         baseline = load_baseline(None, args.baseline)  # type: ignore[arg-type]  # a file needs no store
@@ -136,12 +137,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .runs._report import write_report
+    from ..accuracy._report import write_report
 
     baseline, runs, verdicts = _judged(args)
     path = write_report(args.out, baseline=baseline, runs=runs, verdict=verdicts,
                         baseline_runs=_baseline_runs(args, baseline) or ())
-    from .runs._judge import WORDS, combine_outcomes
+    from ..accuracy._judge import WORDS, combine_outcomes
 
     word = WORDS[combine_outcomes([v.outcome for v in verdicts])]
     print(f"wrote {path} ({word}); open it in a browser")
@@ -151,8 +152,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def _baseline_runs(args: argparse.Namespace, baseline: Any) -> list[Any] | None:
     """The baseline's own seed runs when the store holds them (the report's over-time charts), else None (a
     baseline file from another machine)."""
-    from .runs._baseline import RunData
-    from .runs._store import StoreCorrupt, StoreError
+    from ..accuracy._baseline import RunData
+    from ..runs._store import StoreCorrupt, StoreError
 
     try:
         with open_store(store_path(args), create=False) as store:

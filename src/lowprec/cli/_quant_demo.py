@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from .quant import QuantSpec, fake_quantize, quantize
-from .testing import sqnr_db
+from .._errors import UsageError
+from ..quant import QuantSpec, fake_quantize, quantize
+from ..testing import sqnr_db
 
 
 def run_demo(seed: int = 0) -> None:
     """Quantize one activation-like tensor (heavy-tailed, with outliers) with every named spec."""
     if seed < 0:
-        raise ValueError(f"--seed must be >= 0; got {seed}")
+        raise UsageError(f"--seed must be >= 0; got {seed}")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(256, 1024, generator=g) * torch.exp(torch.randn(256, 1, generator=g))
     x[0, :8] *= 50.0  # a few outliers, as in real activations

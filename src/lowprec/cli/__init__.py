@@ -1,6 +1,7 @@
 """The ``lowprec`` command: a thin layer that builds the library's own objects and calls library functions.
 
-User errors (bad names, bad arguments) print one line to stderr, without a traceback, and exit with status 2.
+User errors (``lowprec.UsageError``: bad names, arguments, config fields, files, store paths) print one line to
+stderr, without a traceback, and exit with status 2; any other exception is a bug and keeps its traceback.
 SIGTERM and SIGHUP raise ``Terminated`` in the main thread (where they are not ignored), so a command stops the way
 Ctrl-C stops it: a run in progress is marked failed with the reason ("Terminated: interrupted by SIGTERM"), and
 the command exits with status 128 + the signal number.  When ``lowprec run`` is stopped so (or by Ctrl-C), the
@@ -17,7 +18,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from . import __version__, formats
+from .. import __version__, formats
+from .._errors import UsageError
 
 
 def _fmt_num(v: float) -> str:
@@ -54,13 +56,13 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from . import recipes
+    from .. import recipes
 
     if args.show:
         r = recipes.get(args.show)
         print(r.to_toml() if args.format == "toml" else r.to_json())
         return 0
-    from .recipes import _named
+    from ..recipes import _named
 
     for name in recipes.names():
         doc = " ".join((getattr(_named, name.replace("-", "_")).__doc__ or "").split())
@@ -71,13 +73,13 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .runs._demo import main_demo
+    from ._demo import main_demo
 
     return main_demo(store=args.store or "lowprec-runs/runs.db", out=args.out, steps=args.steps, quiet=args.quiet)
 
 
 def cmd_quant_demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demo
+    from ._quant_demo import run_demo
 
     run_demo(seed=args.seed)
     return 0
@@ -105,12 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quant-demo", help="quantize a tensor with every named spec and print the error")
     q.add_argument("--seed", type=int, default=0, help="seed for the demo tensor (default 0)")
     q.set_defaults(func=cmd_quant_demo)
-    from . import _cli_accuracy, _cli_precision, _cli_runs, _cli_store
+    from . import _accuracy, _precision, _runs, _store
 
-    _cli_runs.add_parsers(sub)
-    _cli_precision.add_parsers(sub)
-    _cli_accuracy.add_parsers(sub)
-    _cli_store.add_parsers(sub)
+    _runs.add_parsers(sub)
+    _precision.add_parsers(sub)
+    _accuracy.add_parsers(sub)
+    _store.add_parsers(sub)
     return p
 
 
@@ -162,11 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lowprec: {e}", file=sys.stderr)
         _print_resume(e)
         return 128 + e.signum
-    except ValueError as e:
+    except UsageError as e:  # anything else is a bug: it keeps its traceback
         print(f"lowprec: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from .runs._launch import RunFailed
+        from ..runs._launch import RunFailed
 
         if not isinstance(e, RunFailed):
             raise

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from .._errors import UsageError
+
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 _ids = itertools.count()
 FONT_SIZE = 11
@@ -254,7 +256,7 @@ def line_chart(*, lines: Sequence[Line], bands: Sequence[Band] = (), spans: Sequ
             pad = 0.05 * (y_hi - y_lo or abs(y_hi) or 1.0)
             y_range = (y_lo - pad, y_hi + pad)
     if y_log and not (y_range[0] > 0 and y_range[1] > 0):
-        raise ValueError(f"a log axis needs a positive y range; got {y_range}")
+        raise UsageError(f"a log axis needs a positive y range; got {y_range}")
     items: list[tuple[str, str, str, str | None, float]] = [(s.label, s.color, "span", None, 0.0) for s in spans
                                                             if s.label]
     items += [(b.label, b.color, "band", None, 0.0) for b in bands if b.label]
@@ -412,7 +414,7 @@ def heatmap(*, rows: Sequence[str], cols: Sequence[int], values: np.ndarray, tit
     shows its row, column and exact value.  Used for per-layer statistics over training steps."""
     vals = np.asarray(values, dtype=np.float64)
     if vals.shape != (len(rows), len(cols)):
-        raise ValueError(f"heatmap values have shape {vals.shape}, expected {(len(rows), len(cols))}")
+        raise UsageError(f"heatmap values have shape {vals.shape}, expected {(len(rows), len(cols))}")
     left, top, cell_h, legend_h = 230, 30, 16, 34
     n_cols = max(len(cols), 1)
     cell_w = max(2.0, (width - left - 10) / n_cols)

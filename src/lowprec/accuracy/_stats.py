@@ -62,7 +62,8 @@ from typing import Any
 import numpy as np
 import scipy.stats
 
-from ._checks import check_float, check_int
+from .._checks import check_float, check_int
+from .._errors import UsageError
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -71,7 +72,7 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
     Non-finite values propagate into every average that contains them (a NaN is never smoothed away)."""
     x = np.asarray(values, dtype=np.float64)
     if window < 1:
-        raise ValueError(f"window must be >= 1; got {window}")
+        raise UsageError(f"window must be >= 1; got {window}")
     if x.size == 0 or window == 1:
         return x.copy()
     bad = ~np.isfinite(x)
@@ -123,7 +124,7 @@ def worse_test(base: np.ndarray, cand: np.ndarray, *, direction: str, margin: fl
     y = np.asarray(cand, dtype=np.float64)
     n, m = x.size, y.size
     if n < 2 or m < 1:
-        raise ValueError(f"worse_test needs >= 2 baseline and >= 1 candidate values; got {n} and {m}")
+        raise UsageError(f"worse_test needs >= 2 baseline and >= 1 candidate values; got {n} and {m}")
     sign = 1.0 if direction == "min" else -1.0
     diff = sign * (float(y.mean()) - float(x.mean()))
     vx = float(x.var(ddof=1))
@@ -325,7 +326,7 @@ class Criteria:
         check_float(self.curve_margin_rel, "criteria.curve_margin_rel", 0.0)
         check_float(self.curve_k, "criteria.curve_k", 0.0, open_lo=True)
         if self.curve_role not in ("guard", "primary"):
-            raise ValueError(f"criteria.curve_role must be 'guard' or 'primary'; got {self.curve_role!r}")
+            raise UsageError(f"criteria.curve_role must be 'guard' or 'primary'; got {self.curve_role!r}")
         check_float(self.curve_pool_fraction, "criteria.curve_pool_fraction", 0.0, 1.0)
         check_float(self.curve_max_outside, "criteria.curve_max_outside", 0.0, 1.0)
         check_float(self.metric_alpha, "criteria.metric_alpha", 0.0, 0.5, open_lo=True)
@@ -341,7 +342,7 @@ class Criteria:
                 isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) and kv[0] for kv in
                 self.metric_margins)
             if not pairs:
-                raise ValueError("criteria.metric_margins must map metric names to relative margins, e.g. "
+                raise UsageError("criteria.metric_margins must map metric names to relative margins, e.g. "
                                  f"{{\"loss\": 0.05}}; got {self.metric_margins!r}")
             for name, value in self.metric_margins:
                 check_float(value, f"criteria.metric_margins.{name}", 0.0)
@@ -349,7 +350,7 @@ class Criteria:
             ok = isinstance(self.metrics, tuple) and self.metrics and all(
                 isinstance(m, str) and m for m in self.metrics)
             if not ok or len(set(self.metrics)) != len(self.metrics):
-                raise ValueError(f"criteria.metrics must be None or a non-empty tuple of distinct metric names; "
+                raise UsageError(f"criteria.metrics must be None or a non-empty tuple of distinct metric names; "
                                  f"got {self.metrics!r}")
 
     def margin_rel(self, metric: str) -> float:
@@ -366,11 +367,11 @@ class Criteria:
     def from_dict(cls, data: Any) -> Criteria:
         """Strict: unknown keys are an error; missing keys take the defaults of the current version."""
         if not isinstance(data, dict):
-            raise ValueError(f"criteria must be an object; got {type(data).__name__}")
+            raise UsageError(f"criteria must be an object; got {type(data).__name__}")
         allowed = {f.name for f in dataclasses.fields(cls)}
         extra = sorted(set(data) - allowed - {"curve_rtol"})
         if extra:
-            raise ValueError(f"criteria: unknown key(s) {extra}; allowed: {sorted(allowed)}")
+            raise UsageError(f"criteria: unknown key(s) {extra}; allowed: {sorted(allowed)}")
         kw = dict(data)
         if "curve_rtol" in kw:  # the band floor of baselines made before the margin test: it was the curve margin
             legacy = kw.pop("curve_rtol")

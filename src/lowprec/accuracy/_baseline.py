@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import UsageError
 from .._parse import parse_json
-from ._atomic import atomic_write_text
+from ..runs._atomic import atomic_write_text
 from ._stats import Criteria, smooth
 
 FORMAT = "lowprec-baseline"
@@ -75,7 +76,7 @@ def model_name(run: RunData) -> str:
     if isinstance(m, dict):
         m = m.get("name")
     if not isinstance(m, str) or not m:
-        raise ValueError(f"run {run.label}: config['model'] must be the model name; got {m!r}")
+        raise UsageError(f"run {run.label}: config['model'] must be the model name; got {m!r}")
     return m
 
 
@@ -86,7 +87,7 @@ def planned_steps(run: RunData) -> int:
         return s
     steps = run.scalars.get(LOSS_KEY, (np.zeros(0, np.int64), None))[0]
     if len(steps) == 0:
-        raise ValueError(f"run {run.label}: no config['steps'] and no {LOSS_KEY!r} scalars")
+        raise UsageError(f"run {run.label}: no config['steps'] and no {LOSS_KEY!r} scalars")
     return int(steps[-1])
 
 
@@ -154,7 +155,7 @@ class Baseline:
             if mine != theirs:
                 diffs.append(f"{field} {theirs!r} != baseline's {mine!r}")
         if diffs:
-            raise ValueError(f"run {run.label} cannot be judged against baseline {self.name!r}: "
+            raise UsageError(f"run {run.label} cannot be judged against baseline {self.name!r}: "
                              + "; ".join(diffs))
 
     # ------------------------------------------------------------------------------------------ JSON form
@@ -203,14 +204,14 @@ class Baseline:
         try:
             text = p.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise ValueError(f"baseline file {str(p)!r} does not exist") from None
+            raise UsageError(f"baseline file {str(p)!r} does not exist") from None
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read baseline file {str(p)!r}: {e}") from None
+            raise UsageError(f"cannot read baseline file {str(p)!r}: {e}") from None
         data = parse_json(text, where=f"baseline file {str(p)!r}")
         try:
             return cls.from_dict(data)
         except ValueError as e:
-            raise ValueError(f"{p}: {e}") from None
+            raise UsageError(f"{p}: {e}") from None
 
     @classmethod
     def from_dict(cls, data: Any) -> Baseline:
@@ -232,12 +233,12 @@ def build_baseline(name: str, runs: list[RunData], *, criteria: Criteria | None 
     (``RUN_LOCAL_KEYS``), the same data hash, metrics and ``train/loss`` steps, and a final value of each
     metric logged at the last step."""
     if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"baseline name must be a non-empty string; got {name!r}")
+        raise UsageError(f"baseline name must be a non-empty string; got {name!r}")
     crit = Criteria() if criteria is None else criteria
     if not isinstance(crit, Criteria):
-        raise ValueError(f"criteria must be a Criteria; got {type(crit).__name__}")
+        raise UsageError(f"criteria must be a Criteria; got {type(crit).__name__}")
     if len(runs) < 2:
-        raise ValueError(f"a baseline needs runs of >= 2 seeds (seed-to-seed noise is what it measures); "
+        raise UsageError(f"a baseline needs runs of >= 2 seeds (seed-to-seed noise is what it measures); "
                          f"got {len(runs)}")
     first = runs[0]
     seeds: list[int] = []
@@ -245,54 +246,54 @@ def build_baseline(name: str, runs: list[RunData], *, criteria: Criteria | None 
     curves: list[tuple[np.ndarray, np.ndarray]] = []
     metrics = first.manifest.get("metrics")
     if not isinstance(metrics, dict) or not metrics or any(v not in DIRECTIONS for v in metrics.values()):
-        raise ValueError(f"run {first.label}: manifest['metrics'] must map metric names to 'min' or 'max'; "
+        raise UsageError(f"run {first.label}: manifest['metrics'] must map metric names to 'min' or 'max'; "
                          f"got {metrics!r}")
     ref_cfg = identity_config(first.config)
     for run in runs:
         if run.status != "completed":
-            raise ValueError(f"run {run.label} has status {run.status!r}; a baseline takes completed runs only")
+            raise UsageError(f"run {run.label} has status {run.status!r}; a baseline takes completed runs only")
         seed = run.manifest.get("seed")
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"run {run.label}: manifest['seed'] must be an integer; got {seed!r}")
+            raise UsageError(f"run {run.label}: manifest['seed'] must be an integer; got {seed!r}")
         if seed in seeds:
-            raise ValueError(f"run {run.label}: seed {seed} appears twice; baseline seeds must be distinct")
+            raise UsageError(f"run {run.label}: seed {seed} appears twice; baseline seeds must be distinct")
         seeds.append(seed)
         cfg = identity_config(run.config)
         if cfg != ref_cfg:
             keys = sorted(k for k in set(cfg) | set(ref_cfg) if cfg.get(k) != ref_cfg.get(k))
-            raise ValueError(f"run {run.label}: config differs from run {first.label} in {keys}; "
+            raise UsageError(f"run {run.label}: config differs from run {first.label} in {keys}; "
                              f"baseline runs must differ only in the seed")
         for field in ("data_hash", "metrics"):
             if run.manifest.get(field) != first.manifest.get(field):
-                raise ValueError(f"run {run.label}: manifest[{field!r}] {run.manifest.get(field)!r} differs from "
+                raise UsageError(f"run {run.label}: manifest[{field!r}] {run.manifest.get(field)!r} differs from "
                                  f"run {first.label}'s {first.manifest.get(field)!r}")
         steps, loss = _loss(run)
         if curves and not np.array_equal(steps, curves[0][0]):
-            raise ValueError(f"run {run.label}: {LOSS_KEY!r} steps differ from run {first.label}'s")
+            raise UsageError(f"run {run.label}: {LOSS_KEY!r} steps differ from run {first.label}'s")
         if not np.isfinite(loss).all():
             bad = int(steps[np.flatnonzero(~np.isfinite(loss))[0]])
-            raise ValueError(f"run {run.label}: {LOSS_KEY!r} is not finite at step {bad}; a reference run "
+            raise UsageError(f"run {run.label}: {LOSS_KEY!r} is not finite at step {bad}; a reference run "
                              f"must not diverge")
         curves.append((steps, smooth(loss, crit.smoothing_window)))
         if int(steps[-1]) != planned_steps(run):
-            raise ValueError(f"run {run.label}: last {LOSS_KEY!r} step {int(steps[-1])} != steps "
+            raise UsageError(f"run {run.label}: last {LOSS_KEY!r} step {int(steps[-1])} != steps "
                              f"{planned_steps(run)}")
         row = []
         for m in metrics:
             got = final_value(run, m)
             if got is None or got[0] != int(steps[-1]) or not math.isfinite(got[1]):
-                raise ValueError(f"run {run.label}: needs a finite 'eval/{m}' at the last step {int(steps[-1])}; "
+                raise UsageError(f"run {run.label}: needs a finite 'eval/{m}' at the last step {int(steps[-1])}; "
                                  f"got {got!r}")
             row.append(got[1])
         finals_rows.append(row)
     if crit.metrics is not None and set(crit.metrics) - set(metrics):
-        raise ValueError(f"criteria.metrics {sorted(set(crit.metrics) - set(metrics))} are not metrics of the "
+        raise UsageError(f"criteria.metrics {sorted(set(crit.metrics) - set(metrics))} are not metrics of the "
                          f"runs; known: {sorted(metrics)}")
     stack = np.stack([c for _, c in curves])
     fin = np.asarray(finals_rows, dtype=np.float64)
     data_hash = first.manifest.get("data_hash")
     if not isinstance(data_hash, str) or not data_hash:
-        raise ValueError(f"run {first.label}: manifest['data_hash'] must be a non-empty string; got {data_hash!r}")
+        raise UsageError(f"run {first.label}: manifest['data_hash'] must be a non-empty string; got {data_hash!r}")
     return Baseline(
         name=name, model=model_name(first), data_hash=data_hash, steps=planned_steps(first), config=ref_cfg,
         config_digest=config_digest(first.config), metrics=dict(metrics), criteria=crit, seeds=tuple(seeds),
@@ -306,7 +307,7 @@ def build_baseline(name: str, runs: list[RunData], *, criteria: Criteria | None 
 def _loss(run: RunData) -> tuple[np.ndarray, np.ndarray]:
     got = run.scalars.get(LOSS_KEY)
     if got is None or len(got[0]) == 0:
-        raise ValueError(f"run {run.label} has no {LOSS_KEY!r} scalars")
+        raise UsageError(f"run {run.label} has no {LOSS_KEY!r} scalars")
     return np.asarray(got[0], dtype=np.int64), np.asarray(got[1], dtype=np.float64)
 
 
@@ -318,11 +319,11 @@ _KIND = {"str": "a string", "int": "an integer", "dict": "an object", "list": "a
 
 def _get(d: dict, key: str, types: type | tuple[type, ...], where: str) -> Any:
     if key not in d:
-        raise ValueError(f"{where}{key} is missing")
+        raise UsageError(f"{where}{key} is missing")
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, types):
         names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-        raise ValueError(f"{where}{key} must be {_KIND.get(names, names)}; got {v!r}")
+        raise UsageError(f"{where}{key} must be {_KIND.get(names, names)}; got {v!r}")
     return v
 
 
@@ -330,7 +331,7 @@ def _get(d: dict, key: str, types: type | tuple[type, ...], where: str) -> Any:
 def _text(d: dict, key: str, where: str, what: str) -> str:
     v = _get(d, key, str, where)
     if not v.strip():
-        raise ValueError(f"{where}{key} must be a non-empty string ({what}); got {v!r}")
+        raise UsageError(f"{where}{key} must be a non-empty string ({what}); got {v!r}")
     return v
 
 
@@ -343,96 +344,96 @@ def _parse(data: Any) -> Baseline:
     ``steps``, ``criteria.metrics`` among ``metrics``, and ``config``'s model and steps (when present) equal to
     the top-level ones."""
     if not isinstance(data, dict):
-        raise ValueError(f"a baseline must be a JSON object; got {type(data).__name__}")
+        raise UsageError(f"a baseline must be a JSON object; got {type(data).__name__}")
     top = {"format", "version", "name", "model", "data_hash", "steps", "config_digest", "metrics", "criteria",
            "seeds", "config", "envelope"}
     if set(data) - top:
-        raise ValueError(f"unknown key(s) {sorted(set(data) - top)}; allowed: {sorted(top)}")
+        raise UsageError(f"unknown key(s) {sorted(set(data) - top)}; allowed: {sorted(top)}")
     if data.get("format") != FORMAT:
-        raise ValueError(f"format must be {FORMAT!r}; got {data.get('format')!r}")
+        raise UsageError(f"format must be {FORMAT!r}; got {data.get('format')!r}")
     if data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"version {data.get('version')!r} is not supported; this lowprec reads {FORMAT_VERSION}")
+        raise UsageError(f"version {data.get('version')!r} is not supported; this lowprec reads {FORMAT_VERSION}")
     name = _text(data, "name", "", "the baseline's name; `lowprec baselines import --name` sets another")
     model = _text(data, "model", "", "the task the seed runs trained, e.g. 'mlp-digits'")
     data_hash = _text(data, "data_hash", "", "the sha256 of the task's data, from the runs' manifests")
     digest = _get(data, "config_digest", str, "")
     if not _HEX16.fullmatch(digest):
-        raise ValueError(f"config_digest must be 16 lowercase hex digits (the digest lowprec computes from the "
+        raise UsageError(f"config_digest must be 16 lowercase hex digits (the digest lowprec computes from the "
                          f"config); got {digest!r}: {_REGENERATE}")
     steps = _get(data, "steps", int, "")
     if steps < 1:
-        raise ValueError(f"steps must be an integer >= 1 (the number of training steps each seed ran); got "
+        raise UsageError(f"steps must be an integer >= 1 (the number of training steps each seed ran); got "
                          f"{steps!r}")
     metrics = _get(data, "metrics", dict, "")
     if not metrics:
-        raise ValueError("metrics must name at least one eval metric and its direction, e.g. "
+        raise UsageError("metrics must name at least one eval metric and its direction, e.g. "
                          "{\"loss\": \"min\", \"accuracy\": \"max\"}; got {}")
     for m, d in metrics.items():
         if not isinstance(m, str) or not m.strip():
-            raise ValueError(f"metrics must be keyed by metric names; got the key {m!r}")
+            raise UsageError(f"metrics must be keyed by metric names; got the key {m!r}")
         if d not in DIRECTIONS:
-            raise ValueError(f"metrics.{m} must be 'min' or 'max'; got {d!r}")
+            raise UsageError(f"metrics.{m} must be 'min' or 'max'; got {d!r}")
     crit = Criteria.from_dict(_get(data, "criteria", dict, ""))
     if crit.metrics is not None and set(crit.metrics) - set(metrics):
-        raise ValueError(f"criteria.metrics {sorted(set(crit.metrics) - set(metrics))} are not metrics of the "
+        raise UsageError(f"criteria.metrics {sorted(set(crit.metrics) - set(metrics))} are not metrics of the "
                          f"baseline; known: {sorted(metrics)}")
     config = _get(data, "config", dict, "")
     if isinstance(config.get("model"), str) and config["model"] != model:
-        raise ValueError(f"config.model {config['model']!r} differs from model {model!r}; they must be equal")
+        raise UsageError(f"config.model {config['model']!r} differs from model {model!r}; they must be equal")
     if isinstance(config.get("steps"), int) and config["steps"] != steps:
-        raise ValueError(f"config.steps {config['steps']!r} differs from steps {steps!r}; they must be equal")
+        raise UsageError(f"config.steps {config['steps']!r} differs from steps {steps!r}; they must be equal")
     seeds_in = _get(data, "seeds", list, "")
     if len(seeds_in) < 2:
-        raise ValueError(f"seeds must list >= 2 seed runs (seed-to-seed noise is what a baseline measures); got "
+        raise UsageError(f"seeds must list >= 2 seed runs (seed-to-seed noise is what a baseline measures); got "
                          f"{len(seeds_in)}")
     seeds, ids, names, mans, fin = [], [], [], [], []
     for i, s in enumerate(seeds_in):
         w = f"seeds[{i}]."
         if not isinstance(s, dict) or set(s) != {"seed", "run_id", "name", "final", "manifest"}:
-            raise ValueError(f"seeds[{i}] must be an object with keys final, manifest, name, run_id, seed; got {s!r}")
+            raise UsageError(f"seeds[{i}] must be an object with keys final, manifest, name, run_id, seed; got {s!r}")
         seed = _get(s, "seed", int, w)
         if not 0 <= seed < 2**63:
-            raise ValueError(f"{w}seed must be an integer in [0, 2**63); got {seed!r}")
+            raise UsageError(f"{w}seed must be an integer in [0, 2**63); got {seed!r}")
         seeds.append(seed)
         ids.append(_text(s, "run_id", w, "the id of the seed's run in the store it came from"))
         names.append(_text(s, "name", w, "the seed run's name"))
         mans.append(_get(s, "manifest", dict, w))
         final = _get(s, "final", dict, w)
         if set(final) != set(metrics):
-            raise ValueError(f"{w}final must have one value per metric {sorted(metrics)}; got {sorted(final)}")
+            raise UsageError(f"{w}final must have one value per metric {sorted(metrics)}; got {sorted(final)}")
         for m in metrics:
             v = _get(final, m, (int, float), w + "final.")
             if not math.isfinite(v):
-                raise ValueError(f"{w}final.{m} must be a finite number; got {v!r}")
+                raise UsageError(f"{w}final.{m} must be a finite number; got {v!r}")
         fin.append([float(final[m]) for m in metrics])
     if len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds must be distinct; got {seeds}")
+        raise UsageError(f"seeds must be distinct; got {seeds}")
     if len(set(ids)) != len(ids):
-        raise ValueError(f"seeds[*].run_id must be distinct (one run per seed); got {ids}")
+        raise UsageError(f"seeds[*].run_id must be distinct (one run per seed); got {ids}")
     for i, (seed, man) in enumerate(zip(seeds, mans, strict=True)):
         if "seed" in man and man["seed"] != seed:
-            raise ValueError(f"seeds[{i}].manifest.seed {man['seed']!r} differs from seeds[{i}].seed {seed!r}; "
+            raise UsageError(f"seeds[{i}].manifest.seed {man['seed']!r} differs from seeds[{i}].seed {seed!r}; "
                              "they must be equal")
     env = _get(data, "envelope", dict, "")
     if env.get("columns") != list(ENVELOPE_COLUMNS) or set(env) != {"columns", "rows"}:
-        raise ValueError(f"envelope must be {{'columns': {list(ENVELOPE_COLUMNS)}, 'rows': [...]}}")
+        raise UsageError(f"envelope must be {{'columns': {list(ENVELOPE_COLUMNS)}, 'rows': [...]}}")
     rows = env["rows"]
     if not isinstance(rows, list) or not rows:
-        raise ValueError("envelope.rows must be a non-empty list of [step, mean, std, min, max] rows")
+        raise UsageError("envelope.rows must be a non-empty list of [step, mean, std, min, max] rows")
     for i, r in enumerate(rows):
         if not isinstance(r, list) or len(r) != len(ENVELOPE_COLUMNS) or not all(
                 isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in r):
-            raise ValueError(f"envelope.rows[{i}] must be [step, mean, std, min, max], five finite numbers; "
+            raise UsageError(f"envelope.rows[{i}] must be [step, mean, std, min, max], five finite numbers; "
                              f"got {r!r}")
     arr = np.asarray(rows, dtype=np.float64)
     st = arr[:, 0].astype(np.int64)
     if not np.array_equal(st, arr[:, 0]) or (np.diff(st) <= 0).any() or st[0] < 1:
-        raise ValueError("envelope.rows steps must be increasing integers >= 1")
+        raise UsageError("envelope.rows steps must be increasing integers >= 1")
     if int(st[-1]) != steps:
-        raise ValueError(f"envelope.rows must end at step {steps} (steps); the last row is step {int(st[-1])}")
+        raise UsageError(f"envelope.rows must end at step {steps} (steps); the last row is step {int(st[-1])}")
     slack = 1e-9 * np.maximum(1.0, np.abs(arr[:, 1]))
     if (arr[:, 2] < 0).any() or (arr[:, 3] > arr[:, 1] + slack).any() or (arr[:, 1] > arr[:, 4] + slack).any():
-        raise ValueError("envelope.rows must have std >= 0 and min <= mean <= max")
+        raise UsageError("envelope.rows must have std >= 0 and min <= mean <= max")
     f = np.asarray(fin, dtype=np.float64)
     return Baseline(
         name=name, model=model, data_hash=data_hash, steps=steps, config=config, config_digest=digest,

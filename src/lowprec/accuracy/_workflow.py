@@ -4,24 +4,22 @@ These are what ``lowprec baseline``, ``lowprec compare`` and ``lowprec report`` 
 same way.  Candidates are judged per group (one group = one experiment arm: one recipe over several seeds), so
 ``compare`` over several groups gives one verdict per arm.
 
-Only ``run_baseline`` trains: it imports the runner (and so torch) when called, so ``compare`` and ``plan``, which
-only read the store, do not import torch (``report`` still does, through ``lowprec.numerics`` in
-``_report.stats_grid``).
+Nothing here trains (training a baseline's seeds is ``lowprec.runs.train_baseline``, which ends in
+``baseline_from_runs``) and nothing imports torch, so the commands that only read the store start fast.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .._errors import UsageError
+from ..runs._store import RunRecord, RunStore
 from ._baseline import Baseline, RunData, build_baseline
-from ._config import RunConfig
 from ._judge import Verdict, judge
 from ._stats import Criteria
-from ._store import RunRecord, RunStore
 
 
 def baseline_group(name: str) -> str:
@@ -29,27 +27,18 @@ def baseline_group(name: str) -> str:
     return f"baseline/{name}"
 
 
-def run_baseline(config: RunConfig, *, name: str, store: RunStore, seeds: int | Sequence[int] | None = None,
-                 criteria: Criteria | None = None, overwrite: bool = False, progress: bool = True) -> Baseline:
-    """Train ``config`` once per seed (``seeds``: a count N for seeds 0..N-1, a list, or None for the config's)
-    and store the baseline ``name`` built from those runs.  The criteria are fixed now, before any candidate."""
-    from ._runner import build_task, run_config  # torch: only for training
-
-    if isinstance(seeds, int):
-        if seeds < 2:
-            raise ValueError(f"--seeds must be >= 2 (a baseline measures seed-to-seed noise); got {seeds}")
-        seeds = tuple(range(seeds))
-    chosen = tuple(seeds) if seeds is not None else config.seeds
-    if len(chosen) < 2:
-        raise ValueError(f"a baseline needs at least 2 seeds (it measures seed-to-seed noise); got {list(chosen)}")
+def baseline_from_runs(store: RunStore, name: str, selectors: Sequence[str], *, criteria: Criteria | None = None,
+                       overwrite: bool = False, latest: bool = False) -> Baseline:
+    """Build baseline ``name`` from runs already in the store (groups or run ids, as ``select_runs`` takes them:
+    runs of ``lowprec run``, of ``lowprec.runs.track`` in your own loop, or imported) and save it in the store.
+    Nothing trains.  The criteria are fixed now, before any candidate is seen."""
     if name in store.list_baselines() and not overwrite:
-        raise ValueError(f"baseline {name!r} already exists in {store.path}; pass --overwrite to replace it")
-    if criteria is not None:  # before any training: the task says which metrics its runs will record
-        check_criteria_metrics(criteria, build_task(config, chosen[0]).metrics, model=config.model)
-    cfg = dataclasses.replace(config, seeds=chosen, group=baseline_group(name),
-                              name=config.name or f"baseline {name}")
-    ids = run_config(cfg, store=store, progress=progress)
-    baseline = build_baseline(name, [RunData.from_store(store, i) for i in ids], criteria=criteria)
+        raise UsageError(f"baseline {name!r} already exists in {store.path}; pass --overwrite to replace it")
+    runs = select_runs(store, selectors, latest=latest)
+    if criteria is not None:
+        check_criteria_metrics(criteria, runs[0].manifest.get("metrics") or {}, model=str(runs[0].config.get(
+            "model", runs[0].run_id)))
+    baseline = build_baseline(name, runs, criteria=criteria)
     store.save_baseline(name, baseline.to_dict(), overwrite=overwrite)
     return baseline
 
@@ -62,7 +51,7 @@ def check_criteria_metrics(criteria: Criteria, metrics: Mapping[str, str], *, mo
                          ("metric_margins", [m for m, _ in criteria.metric_margins or ()])):
         unknown = [m for m in names if m not in metrics]
         if unknown:
-            raise ValueError(f"criteria.{field} names {unknown}, which task {model!r} does not record; its eval "
+            raise UsageError(f"criteria.{field} names {unknown}, which task {model!r} does not record; its eval "
                              f"metrics are {known} (names without 'eval/'): fix the criteria file")
 
 
@@ -71,7 +60,7 @@ def load_baseline(store: RunStore, ref: str) -> Baseline:
     p = Path(ref)
     if p.suffix == ".json" or p.is_file():
         if not p.is_file():
-            raise ValueError(f"baseline file {ref!r} does not exist")
+            raise UsageError(f"baseline file {ref!r} does not exist")
         return Baseline.load_json(p)
     return Baseline.from_dict(store.get_baseline(ref))
 
@@ -85,7 +74,7 @@ def select_runs(store: RunStore, selectors: Sequence[str], *, latest: bool = Fal
     out: ``lowprec runs delete RUN_ID...``, or ``latest=True`` (``--latest``), which keeps the newest completed
     run of each seed (the newest run when none completed) and appends to ``left_out`` a line per run left out."""
     if not selectors:
-        raise ValueError("name at least one run id or group to judge")
+        raise UsageError("name at least one run id or group to judge")
     records: dict[str, RunRecord] = {}
     for sel in selectors:
         group = store.list_runs(group=sel)
@@ -93,7 +82,7 @@ def select_runs(store: RunStore, selectors: Sequence[str], *, latest: bool = Fal
             records.setdefault(rec.run_id, rec)
     clashes = _seed_clashes(list(records.values()))
     if clashes and not latest:
-        raise ValueError(_clash_message(clashes))
+        raise UsageError(_clash_message(clashes))
     for runs in clashes:
         keep = max(runs, key=lambda r: (r.status == "completed", r.created_at))
         for r in runs:
@@ -141,7 +130,7 @@ def judge_groups(baseline: Baseline, runs: Sequence[RunData]) -> list[Verdict]:
     group holds one seed twice (``select_runs(latest=True)`` keeps the newest completed run of each)."""
     clashes = _seed_clashes(list(runs))
     if clashes:
-        raise ValueError(_clash_message(clashes))
+        raise UsageError(_clash_message(clashes))
     groups: dict[str, list[RunData]] = {}
     for r in runs:
         groups.setdefault(r.group or r.run_id, []).append(r)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
+from .._errors import UsageError
 from ._baseline import RunData, build_baseline
 from ._judge import judge
 from ._stats import Criteria
@@ -86,7 +87,7 @@ def fail_rate(reference: Sequence[RunData], candidates: Sequence[RunData], *, n_
     """
     same = candidates is reference
     if same and len(reference) < n_baseline + n_candidate:
-        raise ValueError(f"need >= {n_baseline + n_candidate} reference runs; got {len(reference)}")
+        raise UsageError(f"need >= {n_baseline + n_candidate} reference runs; got {len(reference)}")
     counts, why = Counter[str](), Counter[str]()
     for _ in range(trials):
         if same:

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .runs._config import DEFAULT_STORE, RunConfig, check_declared, load
+from .._errors import UsageError
+from ..runs._config import DEFAULT_STORE, RunConfig, check_declared, load
 
 TB_LOGDIR = "tb"
 """Default TensorBoard logdir of ``runs export --format tensorboard``: each run goes in ``tb/<run id>/``."""
@@ -32,7 +33,7 @@ def store_path(args: argparse.Namespace, config: RunConfig | None = None) -> str
 def open_store(path: str, *, create: bool = True) -> Any:
     """The run store at ``path``.  Reading commands pass ``create=False``: a missing store (a mistyped --store) is
     an error naming the path, not a new empty store; commands that record runs create it."""
-    from .runs._store import RunStore
+    from ..runs._store import RunStore
 
     return RunStore(path, create=create)
 
@@ -41,21 +42,21 @@ def recipe_arg(ref: str) -> Any:
     """The ``Recipe`` of ``--recipe REF``: a built-in name (``lowprec recipes``), or a recipe file: TOML, or JSON for
     ``*.json`` (what ``lowprec autoprecision --out`` and ``lowprec recipes --show`` write), or a run config with a
     ``[recipe]`` table or ``recipe = "NAME"`` (what ``autoprecision --config-out`` writes): its recipe is taken."""
-    from . import recipes
-    from ._parse import parse_json, parse_toml
+    from .. import recipes
+    from .._parse import parse_json, parse_toml
 
     if ref in recipes.names():
         return recipes.get(ref)
     p = Path(ref)
     if not p.is_file():
         if p.suffix.lower() in (".toml", ".json") or os.sep in ref:
-            raise ValueError(f"--recipe {ref!r}: no such recipe file")
-        raise ValueError(f"--recipe {ref!r} is neither a recipe name ({', '.join(recipes.names())}) nor a recipe "
+            raise UsageError(f"--recipe {ref!r}: no such recipe file")
+        raise UsageError(f"--recipe {ref!r} is neither a recipe name ({', '.join(recipes.names())}) nor a recipe "
                          "file (RECIPE.toml or .json, e.g. what lowprec autoprecision --out writes)")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--recipe: cannot read recipe file {ref!r}: {e}") from None
+        raise UsageError(f"--recipe: cannot read recipe file {ref!r}: {e}") from None
     where = f"recipe file {ref!r}"
     data = parse_json(text, where=where) if p.suffix.lower() == ".json" else parse_toml(text, where=where)
     if isinstance(data, dict) and "model" in data and "recipe" in data:  # a run config: take its recipe
@@ -65,7 +66,7 @@ def recipe_arg(ref: str) -> Any:
     try:
         return recipes.Recipe.from_dict(data)
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        raise UsageError(f"{where}: {e}") from None
 
 
 def config_with_overrides(args: argparse.Namespace, *, apply_seeds: bool = True) -> RunConfig:
@@ -84,7 +85,7 @@ def config_with_overrides(args: argparse.Namespace, *, apply_seeds: bool = True)
         config = dataclasses.replace(config, **changes)
         check_declared(config)
     except ValueError as e:
-        raise ValueError(f"command line: {e}") from None
+        raise UsageError(f"command line: {e}") from None
     return config
 
 
@@ -97,7 +98,7 @@ def _resume_command(run_id: str, store: Any) -> str:
 
 def _is_interrupt(e: BaseException) -> bool:
     """Ctrl-C, SIGTERM/SIGHUP (``cli.Terminated``), or a data-parallel run whose launcher forwarded one."""
-    from .runs._launch import RunFailed
+    from ..runs._launch import RunFailed
 
     if isinstance(e, KeyboardInterrupt) or type(e).__name__ == "Terminated":
         return True
@@ -127,12 +128,12 @@ def _with_resume_hint(e: BaseException, run_id: str | None, store: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .runs._runner import resume_run, run_config
+    from ..runs._runner import resume_run, run_config
 
     if args.world_size is not None and not args.resume:
-        raise ValueError("--world-size goes with --resume; for a new run set parallel.world_size in the config")
+        raise UsageError("--world-size goes with --resume; for a new run set parallel.world_size in the config")
     if args.allow_restart and not args.resume:
-        raise ValueError("--allow-restart goes with --resume RUN_ID")
+        raise UsageError("--allow-restart goes with --resume RUN_ID")
     if args.resume:
         with open_store(store_path(args), create=False) as store:  # a run to resume lives in an existing store
             run_id = store.get_run(args.resume).run_id
@@ -146,7 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"resumed run {run_id}: {store.get_run(run_id).status}")
         return 0
     if not args.config:
-        raise ValueError("give a CONFIG.toml to run (or --resume RUN_ID)")
+        raise UsageError("give a CONFIG.toml to run (or --resume RUN_ID)")
     config = config_with_overrides(args)
     with open_store(config.store) as store:
         before = {r.run_id for r in store.list_runs(verify=False)}
@@ -196,7 +197,7 @@ def _list_prefix(rec: Any, status: str, steps: str) -> str:
 
 def _run_line(rec: Any, store: Any) -> str:
     """One line of ``runs list`` (and of ``run``'s summary): see ``LIST_HEADER``."""
-    from .runs._store import StoreCorrupt
+    from ..runs._store import StoreCorrupt
 
     try:
         sc = store.scalars(rec.run_id)
@@ -209,7 +210,7 @@ def _run_line(rec: Any, store: Any) -> str:
 
 
 def cmd_runs_list(args: argparse.Namespace) -> int:
-    from .runs._store import StoreCorrupt
+    from ..runs._store import StoreCorrupt
 
     with open_store(store_path(args), create=False) as store:
         runs = store.list_runs(group=args.group, status=args.status, verify=False)  # a corrupt run is flagged below
@@ -263,7 +264,7 @@ def compact_config(config: dict[str, Any], width: int = 108) -> list[str]:
 def config_toml(config: dict[str, Any]) -> str:
     """The stored (resolved) config as a run config TOML file that ``lowprec run`` reads back: None values are left
     out (TOML has no null; each such field defaults to None), except ``optimizer.grad_clip``, written as 0 (off)."""
-    from .recipes._serial import dict_to_toml
+    from ..recipes._serial import dict_to_toml
 
     def strip(d: dict[str, Any], path: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -299,7 +300,7 @@ def cmd_runs_delete(args: argparse.Namespace) -> int:
     import sys as _sys
     import time as _time
 
-    from .runs._checkpoint import checkpoint_dir
+    from ..runs._checkpoint import checkpoint_dir
 
     with open_store(store_path(args), create=False) as store:
         records: dict[str, Any] = {}
@@ -312,12 +313,12 @@ def cmd_runs_delete(args: argparse.Namespace) -> int:
                 where = (f"process {rec.pid} on this host" if rec.hostname == _socket.gethostname() else
                          f"process {rec.pid} on host {rec.hostname}, which cannot be checked from here")
                 if rec.hostname == _socket.gethostname() or not args.force:
-                    raise ValueError(f"run {rec.run_id} ({rec.name}) is running ({where}); stop it first"
+                    raise UsageError(f"run {rec.run_id} ({rec.name}) is running ({where}); stop it first"
                                      + ("" if rec.hostname == _socket.gethostname() else
                                         ", or pass --force if that process is gone"))
             if rec.run_id in used and not args.force:
                 names = ", ".join(repr(n) for n in used[rec.run_id])
-                raise ValueError(f"run {rec.run_id} ({rec.name}) is a seed run of baseline {names}; delete the "
+                raise UsageError(f"run {rec.run_id} ({rec.name}) is a seed run of baseline {names}; delete the "
                                  f"baseline first (lowprec baselines delete NAME) or pass --force to delete the run "
                                  "anyway (the baseline keeps its summary, its over-time charts lose this run)")
         files = {rid: [p for p in (checkpoint_dir(store.path, rid), store.path.parent / "launch" / f"{rid}.json")
@@ -329,7 +330,7 @@ def cmd_runs_delete(args: argparse.Namespace) -> int:
                   + "".join(f"\n    and {p}" for p in files[rid]))
         if not args.yes:
             if not _sys.stdin.isatty():
-                raise ValueError("stdin is not a terminal, so nobody can confirm: pass --yes to delete these runs")
+                raise UsageError("stdin is not a terminal, so nobody can confirm: pass --yes to delete these runs")
             if input(f"delete {len(records)} run(s)? [y/N] ").strip().lower() not in ("y", "yes"):
                 print("nothing deleted")
                 return 1
@@ -386,10 +387,10 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
 
 
 def cmd_runs_export(args: argparse.Namespace) -> int:
-    from .runs._export import export_run, export_tensorboard
+    from ..runs._export import export_run, export_tensorboard
 
     if args.overwrite and args.format != "tensorboard":
-        raise ValueError("--overwrite goes with --format tensorboard (csv and json files are replaced anyway)")
+        raise UsageError("--overwrite goes with --format tensorboard (csv and json files are replaced anyway)")
     with open_store(store_path(args), create=False) as store:
         run_id = store.get_run(args.run_id).run_id
         if args.format == "tensorboard":
@@ -406,11 +407,11 @@ def cmd_runs_export(args: argparse.Namespace) -> int:
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from .runs._config import STRATEGIES
-    from .testing import check_parity
+    from ..runs._config import STRATEGIES
+    from ..testing import check_parity
 
     if args.against not in STRATEGIES:
-        raise ValueError(f"--against must be one of {', '.join(STRATEGIES)}; got {args.against!r}")
+        raise UsageError(f"--against must be one of {', '.join(STRATEGIES)}; got {args.against!r}")
     config = config_with_overrides(args)
     with open_store(config.store) as store:
         result = check_parity(config, store=store, against=args.against, world_size=args.world_size,
@@ -420,18 +421,18 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from ._layer_stats import records_from_scalars, worst_layers
+    from .._layer_stats import records_from_scalars, worst_layers
 
     with open_store(store_path(args), create=False) as store:
         rec = store.get_run(args.run_id)
         records = records_from_scalars(store.scalars(rec.run_id))
     if not records:
-        raise ValueError(f"run {rec.run_id} has no tensor statistics: set [stats] every = N in its config")
+        raise UsageError(f"run {rec.run_id} has no tensor statistics: set [stats] every = N in its config")
     if args.what_if is not None:
         known = sorted({r["what_if"] for r in records if r.get("what_if") is not None})
         if args.what_if not in known:
             have = f"its what-if names are {', '.join(known)}" if known else "it measured no what-if specs"
-            raise ValueError(f"--what-if {args.what_if!r}: run {rec.run_id} has no what-if of that name; {have} "
+            raise UsageError(f"--what-if {args.what_if!r}: run {rec.run_id} has no what-if of that name; {have} "
                              "(the names of its config's [stats] what_if table)")
     worst = worst_layers(records, key=args.key, n=args.n, what_if=args.what_if)
     label = args.key + (f" under what-if {args.what_if!r}" if args.what_if else "")

@@ -22,10 +22,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ._cli_runs import add_store_arg, open_store, store_path
-from ._parse import parse_toml
-from .runs._config import load
-from .runs._trained import Calibrated, calibrate, eval_batches, load_trained, probe_trainer
+from .._errors import UsageError
+from .._parse import parse_toml
+from ..runs._config import load
+from ..runs._trained import Calibrated, calibrate, eval_batches, load_trained, probe_trainer
+from ._runs import add_store_arg, open_store, store_path
 
 DEFAULT_CANDIDATES = "mxfp4,mxfp6_e2m3,mxfp8_e4m3,bf16"
 
@@ -34,10 +35,10 @@ def _probe(args: argparse.Namespace, store: Any, cal: Calibrated, table: list[An
     """The table with probe deltas when ``--metric probe`` (seeds from the calibration seed on)."""
     if args.metric != "probe":
         return table
-    from .numerics._autoprecision import training_probe
+    from ..numerics._autoprecision import training_probe
 
     if cal.config is None:
-        raise ValueError("the training probe needs the run config of the calibration run")
+        raise UsageError("the training probe needs the run config of the calibration run")
     config = dataclasses.replace(cal.config, store=str(store.path))
     if config.parallel.strategy != "single":
         config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, strategy="single",
@@ -54,24 +55,24 @@ def _group_by(value: str) -> str | int:
 
 def _prepare(args: argparse.Namespace) -> tuple[Any, Calibrated]:
     if args.batches < 1:
-        raise ValueError(f"--batches must be >= 1; got {args.batches}")
+        raise UsageError(f"--batches must be >= 1; got {args.batches}")
     if args.calib_steps is not None and args.calib_steps < 1:
-        raise ValueError(f"--calib-steps must be >= 1; got {args.calib_steps}")
+        raise UsageError(f"--calib-steps must be >= 1; got {args.calib_steps}")
     if args.probe_steps is not None and args.probe_steps < 1:
-        raise ValueError(f"--probe-steps must be >= 1; got {args.probe_steps}")
+        raise UsageError(f"--probe-steps must be >= 1; got {args.probe_steps}")
     if args.probe_seeds < 1:
-        raise ValueError(f"--probe-seeds must be >= 1; got {args.probe_seeds}")
-    from .numerics._sensitivity import group_layers
+        raise UsageError(f"--probe-seeds must be >= 1; got {args.probe_seeds}")
+    from ..numerics._sensitivity import group_layers
 
     try:
         group_layers([], _group_by(args.group_by))  # validates --group-by before any training
     except ValueError as e:
-        raise ValueError(f"--group-by: {e}") from None
+        raise UsageError(f"--group-by: {e}") from None
     if args.run:
         store = open_store(store_path(args), create=False)
         return store, load_trained(store, args.run)
     if not args.config:
-        raise ValueError("give a CONFIG.toml to calibrate on (or --run RUN_ID of a trained run)")
+        raise UsageError("give a CONFIG.toml to calibrate on (or --run RUN_ID of a trained run)")
     config = load(args.config)
     if config.parallel.strategy != "single":
         config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, strategy="single",
@@ -88,7 +89,7 @@ def _fmt(v: float, spec: str = ".2f") -> str:
 
 
 def cmd_sensitivity(args: argparse.Namespace) -> int:
-    from .numerics._sensitivity import layer_sensitivity, ranked, resolve_candidate
+    from ..numerics._sensitivity import layer_sensitivity, ranked, resolve_candidate
 
     resolve_candidate(args.spec)  # a bad --spec fails before training
     store, cal = _prepare(args)
@@ -115,7 +116,7 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
 
 
 def _write_outputs(args: argparse.Namespace, recipe: Any) -> list[str]:
-    from .recipes._serial import dict_to_toml
+    from ..recipes._serial import dict_to_toml
 
     written = []
     if args.out:
@@ -124,7 +125,7 @@ def _write_outputs(args: argparse.Namespace, recipe: Any) -> list[str]:
         written.append(str(out))
     if args.config_out:
         if not args.config:
-            raise ValueError("--config-out copies CONFIG.toml with the chosen recipe: give a CONFIG.toml")
+            raise UsageError("--config-out copies CONFIG.toml with the chosen recipe: give a CONFIG.toml")
         data = parse_toml(Path(args.config).read_text(encoding="utf-8"), where=str(args.config))
         data.pop("recipe", None)
         data["recipe"] = recipe.to_dict()
@@ -134,16 +135,16 @@ def _write_outputs(args: argparse.Namespace, recipe: Any) -> list[str]:
 
 
 def cmd_autoprecision(args: argparse.Namespace) -> int:
-    from .numerics._autoprecision import check_budget, choose_precision, plan_table
-    from .numerics._sensitivity import resolve_candidate, sensitivity_table
+    from ..numerics._autoprecision import check_budget, choose_precision, plan_table
+    from ..numerics._sensitivity import resolve_candidate, sensitivity_table
 
     labels = [resolve_candidate(c.strip())[0] for c in args.candidates.split(",") if c.strip()]
     if args.budget_bits <= 0 or not math.isfinite(args.budget_bits):
-        raise ValueError(f"--budget-bits must be a positive number; got {args.budget_bits}")
+        raise UsageError(f"--budget-bits must be a positive number; got {args.budget_bits}")
     check_budget(args.budget_bits, labels)  # before calibration: no model fits a budget below every candidate
     for path, suffixes in ((args.out, (".toml", ".json")), (args.config_out, (".toml",))):
         if path and Path(path).suffix not in suffixes:
-            raise ValueError(f"{path!r} must end in {' or '.join(suffixes)}")
+            raise UsageError(f"{path!r} must end in {' or '.join(suffixes)}")
     store, cal = _prepare(args)
     with store:
         table = sensitivity_table(cal.model, eval_batches(cal, args.batches), cal.task.loss_fn, labels,

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import UsageError
 from ._baseline import Baseline, RunData, final_value
 from ._stats import pooled_std, seeds_needed
 
@@ -48,7 +49,7 @@ def plan(b: Baseline, *, worse_by_fraction: float = 0.0) -> dict[str, Any]:
     """Seeds needed to PASS each criterion of ``b`` with ``b.criteria.power``, assuming the candidate is worse by
     ``worse_by_fraction`` of each margin (0: as good as the baseline; must be < 1)."""
     if not 0.0 <= worse_by_fraction < 1.0:
-        raise ValueError(f"worse_by_fraction must be >= 0 and < 1 (a candidate at the margin cannot be shown "
+        raise UsageError(f"worse_by_fraction must be >= 0 and < 1 (a candidate at the margin cannot be shown "
                          f"within it); got {worse_by_fraction!r}")
     from ._judge import metric_margin
 

@@ -16,14 +16,14 @@ import time
 from pathlib import Path
 
 from .. import recipes
-from ._baseline import Baseline, RunData, config_digest
-from ._config import RunConfig
-from ._judge import Verdict, judge
-from ._report import write_report
-from ._runner import build_task, run_config
-from ._stats import Criteria
-from ._store import RunStore
-from ._workflow import run_baseline
+from ..accuracy._baseline import Baseline, RunData, config_digest
+from ..accuracy._judge import Verdict, judge
+from ..accuracy._report import write_report
+from ..accuracy._stats import Criteria
+from ..runs._config import RunConfig
+from ..runs._runner import build_task, run_config
+from ..runs._seeds import train_baseline
+from ..runs._store import RunStore
 
 ARMS = ("bf16-pure", "bf16-sr", "fp8-tensorwise", "mxfp8")
 NEGATIVE_CONTROL = "fp32 lr x0.7 (negative control)"
@@ -75,7 +75,7 @@ def run_demo(*, store_path: str, report_path: str, steps: int | None = None, pro
         baseline = _reusable(store, name, config)
         if baseline is None:
             print(f"building the fp32 baseline {name!r} (mlp-digits, seeds {list(BASELINE_SEEDS)})")
-            baseline = run_baseline(config, name=name, store=store, overwrite=True, progress=progress,
+            baseline = train_baseline(config, name=name, store=store, overwrite=True, progress=progress,
                                     criteria=DEMO_CRITERIA)
         else:
             print(f"reusing the fp32 baseline {name!r} stored in {store_path}")
