@@ -44,9 +44,11 @@ def test_accuracy_and_runs_import_without_torch() -> None:
 
 def test_accuracy_never_imports_the_runner() -> None:
     """Oracle: the source of every module of lowprec.accuracy: it reads runs (the store, the config) and never
-    trains, so no module imports the runners, the zoo or torch."""
+    trains, so no module imports the runners, the zoo, torch or the torch-based packages (even lazily, inside a
+    function)."""
     banned = re.compile(r"^\s*(from|import)\s+(torch|jax|\.\.runs\._(runner|jax_runner|seeds|launch)|\.\.runs\.zoo|"
-                        r"\.\.runs import (zoo|run_config|train_baseline))\b", re.M)
+                        r"\.\.runs import (zoo|run_config|train_baseline)|\.\.(numerics|nn|optim|distributed))\b",
+                        re.M)
     for p in (SRC / "lowprec" / "accuracy").glob("*.py"):
         hits = banned.findall(p.read_text())
         assert not hits, f"{p.name} imports {hits}"

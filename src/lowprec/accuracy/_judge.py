@@ -36,6 +36,7 @@ import numpy as np
 import scipy.stats
 
 from .._errors import UsageError
+from .._payloads import describe_payload
 from ._baseline import LOSS_KEY, Baseline, RunData, config_digest, final_value, planned_steps
 from ._stats import find_spike, margin_test, pooled_std, smooth
 
@@ -223,8 +224,6 @@ def _first_divergence(b: Baseline, run: RunData) -> tuple[int, str] | None:
         elif e.get("kind") in DIVERGENCE_EVENTS:
             found.append((int(e.get("step", 0)), f"{e.get('kind')} event {e.get('payload', {})}"))
         if e.get("kind") == "nonfinite" and located is None and (e.get("payload") or {}).get("found"):
-            from ..numerics._localize import describe_payload
-
             located = f"; first non-finite value: {describe_payload(e['payload'])}"
     if not found:
         return None

@@ -66,6 +66,7 @@ from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
 from .._errors import UsageError
+from .._payloads import describe_payload as describe_payload
 
 Phase = Literal["forward", "loss", "backward"]
 
@@ -111,19 +112,6 @@ class Localization:
     def describe(self) -> str:
         """One line: role, module, step, shape and the value summary."""
         return describe_payload(self.to_dict())
-
-
-def describe_payload(p: dict[str, Any]) -> str:
-    """``Localization.describe`` of a ``to_dict`` payload (as stored in a "nonfinite" event)."""
-    where = "the loss" if p["role"] == "loss" else (
-        "the model's input" if p["role"] == "input" and not p["module"] else
-        f"{p['role']} of module {p['module'] or '<model>'!r} ({p['module_type']})")
-    step = "" if p.get("step") is None else f" at step {p['step']}"
-    step += "" if p.get("rank") is None else f" on rank {p['rank']}"  # a data-parallel run's replay
-    amax = "none" if p.get("finite_amax") is None else f"{p['finite_amax']:.4g}"
-    text = (f"{where}{step}: shape {list(p['shape'])} {p['dtype']}, {p['nan']} NaN, {p['posinf']} +inf, "
-            f"{p['neginf']} -inf, finite amax {amax}, first at index {tuple(p['first_index'])}")
-    return text + (f" ({p['detail']})" if p.get("detail") else "")
 
 
 def nonfinite_summary(t: torch.Tensor) -> dict[str, Any] | None:
