@@ -46,15 +46,41 @@ def baseline_seeds(values: list[int] | None) -> int | tuple[int, ...]:
     return tuple(values)
 
 
-def cmd_baseline(args: argparse.Namespace) -> int:
-    from ..runs._seeds import train_baseline
+def _check_baseline_source(args: argparse.Namespace) -> None:
+    """``baseline`` takes either CONFIG.toml (train the seeds) or ``--from-runs`` (stored runs), never both."""
+    if args.from_runs:
+        if args.config is not None:
+            raise UsageError(f"baseline: give either CONFIG.toml ({args.config!r}: train the seeds) or --from-runs "
+                             f"(build it from stored runs), not both")
+        given = [f"--{o}" for o in ("seeds", "steps", "recipe") if getattr(args, o) is not None]
+        if given:
+            raise UsageError(f"baseline --from-runs trains nothing, so {', '.join(given)} do not apply: drop them "
+                             f"(the runs' own seeds, steps and recipe are used)")
+    else:
+        if args.config is None:
+            raise UsageError("baseline needs CONFIG.toml (train its seeds) or --from-runs GROUP_OR_RUN_ID... (build "
+                             "it from runs already in the store, e.g. runs recorded by lowprec.runs.track)")
+        if args.latest:
+            raise UsageError("baseline --latest applies to --from-runs only (it picks the newest run of each seed)")
 
-    seeds = baseline_seeds(args.seeds)
-    config = config_with_overrides(args, apply_seeds=False)
+
+def cmd_baseline(args: argparse.Namespace) -> int:
+    _check_baseline_source(args)
     criteria = _criteria(args.criteria)
-    with open_store(config.store) as store:
-        b = train_baseline(config, name=args.name, store=store, seeds=seeds, criteria=criteria,
-                         overwrite=args.overwrite, progress=not args.quiet)
+    if args.from_runs:
+        from ..accuracy._workflow import baseline_from_runs
+
+        with open_store(store_path(args), create=False) as store:
+            b = baseline_from_runs(store, args.name, args.from_runs, criteria=criteria, overwrite=args.overwrite,
+                                   latest=args.latest)
+    else:
+        from ..runs._seeds import train_baseline
+
+        seeds = baseline_seeds(args.seeds)
+        config = config_with_overrides(args, apply_seeds=False)
+        with open_store(config.store) as store:
+            b = train_baseline(config, name=args.name, store=store, seeds=seeds, criteria=criteria,
+                               overwrite=args.overwrite, progress=not args.quiet)
     print(f"baseline {b.name!r}: {b.model}, {len(b.seeds)} seeds {list(b.seeds)}, {b.steps} steps")
     for metric, values in b.finals.items():
         print(f"  final {metric:<12} mean {values.mean():.6g}  std {values.std(ddof=1):.3g}  "
@@ -165,8 +191,16 @@ def _baseline_runs(args: argparse.Namespace, baseline: Any) -> list[Any] | None:
 
 
 def add_parsers(sub: Any) -> None:
-    b = sub.add_parser("baseline", help="run a config over N seeds and store a named baseline")
-    b.add_argument("config", metavar="CONFIG.toml")
+    b = sub.add_parser("baseline", help="run a config over N seeds and store a named baseline, or build one from "
+                                        "stored runs (--from-runs)")
+    b.add_argument("config", nargs="?", metavar="CONFIG.toml", help="run config whose seeds are trained (or use "
+                                                                     "--from-runs)")
+    b.add_argument("--from-runs", nargs="+", metavar="GROUP_OR_RUN_ID",
+                   help="build the baseline from runs already in the store (groups or run ids: runs of lowprec run, "
+                        "of lowprec.runs.track in your own loop, or imported) instead of training; no CONFIG")
+    b.add_argument("--latest", action="store_true",
+                   help="with --from-runs: where a group holds one seed more than once, use the newest completed "
+                        "run of that seed")
     b.add_argument("--name", required=True, help="name of the baseline")
     b.add_argument("--seeds", type=int, nargs="+", metavar="S",
                    help="one value N: N seeds, 0..N-1 (default 3: seeds 0 1 2); two or more values: those seeds, as "

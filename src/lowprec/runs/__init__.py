@@ -22,6 +22,8 @@ from ._store import RunRecord as RunRecord
 from ._store import RunStore as RunStore
 from ._store import StoreCorrupt as StoreCorrupt
 from ._store import StoreError as StoreError
+from ._track import TrackedRun as TrackedRun
+from ._track import track as track
 
 if _typing.TYPE_CHECKING:
     from . import zoo as zoo
@@ -38,6 +40,7 @@ __all__ = [
     "StoreCorrupt",
     "StoreError",
     "Task",
+    "TrackedRun",
     "build_task",
     "export_run",
     "export_tensorboard",
@@ -45,6 +48,7 @@ __all__ = [
     "resume_run",
     "run_config",
     "task",
+    "track",
     "train_baseline",
     "zoo",
 ]
