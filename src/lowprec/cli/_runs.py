@@ -1,4 +1,5 @@
-"""CLI commands for runs: ``run``, ``runs list|show|export``.  Each builds library objects and calls the library."""
+"""CLI commands for runs: ``run``, ``runs list|show|export|import``.  Each builds library objects and calls the
+library."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import Any
 from .._errors import UsageError
 from ..runs._config import DEFAULT_STORE, RunConfig, check_declared, load
 
+MLFLOW_DIR = "mlruns"
+"""Default tracking folder of ``runs export --format mlflow`` (MLflow's own default)."""
 TB_LOGDIR = "tb"
 """Default TensorBoard logdir of ``runs export --format tensorboard``: each run goes in ``tb/<run id>/``."""
 
@@ -389,10 +392,20 @@ def cmd_runs_show(args: argparse.Namespace) -> int:
 def cmd_runs_export(args: argparse.Namespace) -> int:
     from ..runs._export import export_run, export_tensorboard
 
+    if args.experiment is not None and args.format != "mlflow":
+        raise UsageError("--experiment goes with --format mlflow")
+    args.experiment = args.experiment or "lowprec"
     if args.overwrite and args.format != "tensorboard":
         raise UsageError("--overwrite goes with --format tensorboard (csv and json files are replaced anyway)")
     with open_store(store_path(args), create=False) as store:
         run_id = store.get_run(args.run_id).run_id
+        if args.format == "mlflow":
+            from ..runs._export import export_mlflow
+
+            uri = args.out or MLFLOW_DIR
+            mid = export_mlflow(store, run_id, uri, experiment=args.experiment)
+            print(f"wrote MLflow run {mid} (experiment {args.experiment!r}) to {uri}")
+            return 0
         if args.format == "tensorboard":
             logdir = args.out or TB_LOGDIR
             out = export_tensorboard(store, run_id, logdir, overwrite=args.overwrite)
@@ -403,6 +416,39 @@ def cmd_runs_export(args: argparse.Namespace) -> int:
             print(f"wrote {args.out}")
         else:
             export_run(store, run_id, fmt=args.format, out=sys.stdout)
+    return 0
+
+
+def _pairs(what: str, items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise UsageError(f"{what} {item!r}: write {what} NAME=VALUE")
+        out[key] = value
+    return out
+
+
+def cmd_runs_import(args: argparse.Namespace) -> int:
+    from ..runs._import import import_run, load_config_file
+
+    with open_store(store_path(args)) as store:
+        rid = import_run(store, args.path, fmt=args.format, name=args.name, group=args.group, seed=args.seed,
+                         mapping=_pairs("--map", args.map), metrics=_pairs("--metric", args.metric),
+                         config=load_config_file(args.config), model=args.model, steps=args.steps,
+                         recipe=args.recipe, data_hash=args.data_hash, framework=args.framework, run=args.run_id)
+        rec = store.get_run(rid)
+        src = rec.manifest["source"]
+        n = sum(len(s) for s, _ in store.scalars(rid).values())
+        print(f"imported run {rid} ({rec.name!r}, group {rec.group!r}, {rec.status}): {n} values of "
+              f"{', '.join(sorted(set(src['mapping'].values())))} from {src['format']} {src['path']}")
+        if src["skipped"]:
+            print(f"  left out (not train/*, eval/* or mapped with --map): {', '.join(src['skipped'])}")
+        steps, loss = store.scalars(rid)["train/loss"]
+        bad = [int(s) for s, v in zip(steps, loss, strict=True) if not (v == v and abs(v) != float("inf"))]
+        if bad:
+            print(f"  note: train/loss is not finite from step {bad[0]} ({len(bad)} values): kept, so the judge's "
+                  "divergence criterion sees it (a baseline refuses this run)")
     return 0
 
 
@@ -487,7 +533,7 @@ def add_parsers(sub: Any) -> None:
     add_store_arg(st)
     st.set_defaults(func=cmd_stats)
 
-    runs = sub.add_parser("runs", help="list, show and export recorded runs")
+    runs = sub.add_parser("runs", help="list, show, export and import recorded runs")
     rs = runs.add_subparsers(dest="runs_command", metavar="ACTION", required=True)
     lst = rs.add_parser("list", help="the runs in the store, newest first")
     lst.add_argument("--group", help="only runs of this group")
@@ -513,11 +559,33 @@ def add_parsers(sub: Any) -> None:
     show.set_defaults(func=cmd_runs_show)
     exp = rs.add_parser("export", help="write a run's scalars as CSV, JSON or TensorBoard event files")
     exp.add_argument("run_id", metavar="RUN_ID")
-    exp.add_argument("--format", choices=("csv", "json", "tensorboard"), default="csv")
+    exp.add_argument("--format", choices=("csv", "json", "tensorboard", "mlflow"), default="csv")
     exp.add_argument("--out", metavar="PATH",
                      help=f"output file (default stdout); for tensorboard the logdir (default {TB_LOGDIR}): the event "
-                          "file goes in LOGDIR/RUN_ID/, and tensorboard --logdir LOGDIR shows every exported run")
+                          "file goes in LOGDIR/RUN_ID/, and tensorboard --logdir LOGDIR shows every exported run; for "
+                          f"mlflow the tracking URI or folder (default {MLFLOW_DIR})")
+    exp.add_argument("--experiment", help="mlflow: the experiment to write the run in (default lowprec)")
     exp.add_argument("--overwrite", action="store_true",
                      help="tensorboard: replace the event files of an earlier export of this run")
     add_store_arg(exp)
     exp.set_defaults(func=cmd_runs_export)
+    imp = rs.add_parser("import", help="record a run's curves from TensorBoard, MLflow, CSV or JSON Lines")
+    imp.add_argument("path", metavar="PATH", help="TensorBoard logdir or events file, MLflow tracking URI or folder, "
+                                                  "or a CSV / JSON Lines file")
+    imp.add_argument("--format", required=True, choices=("tensorboard", "mlflow", "csv", "jsonl"))
+    imp.add_argument("--name", help="run name (default: the MLflow run name or the file name)")
+    imp.add_argument("--group", help="run group: one arm of an experiment (its seeds)")
+    imp.add_argument("--seed", type=int, help="the seed the run trained with (required unless MLflow params have it)")
+    imp.add_argument("--map", action="append", metavar="SRC=DEST",
+                     help="rename a tag or column to a lowprec key, e.g. --map val_acc=eval/accuracy (repeatable)")
+    imp.add_argument("--metric", action="append", metavar="NAME=min|max",
+                     help="direction of eval metric NAME (loss: min and accuracy: max by default; repeatable)")
+    imp.add_argument("--config", metavar="FILE.json|toml", help="the run's config (model, steps, recipe, ...)")
+    imp.add_argument("--model", help="config['model'] (default: the --config's, else unknown)")
+    imp.add_argument("--steps", type=int, help="planned steps (default: the --config's, else the last train/loss step)")
+    imp.add_argument("--recipe", help="recipe name or description; its hash goes in the manifest (default none)")
+    imp.add_argument("--data-hash", help="the data set's hash (default unknown)")
+    imp.add_argument("--framework", help="framework that trained it, e.g. torch or jax (default unknown)")
+    imp.add_argument("--run-id", help="mlflow: the run id or run name (needed when the store holds several)")
+    add_store_arg(imp)
+    imp.set_defaults(func=cmd_runs_import)

@@ -1,4 +1,4 @@
-"""Export one stored run to CSV, JSON or TensorBoard event files.
+"""Export one stored run to CSV, JSON, TensorBoard event files or an MLflow tracking store.
 
 CSV is **wide**: one row per step, a ``step`` column first and then one column per scalar key (keys sorted), a cell
 left empty where that key was not logged at that step (eval metrics appear only every ``eval_interval`` steps).
@@ -17,6 +17,10 @@ half-written export, and a failed export leaves the previous file untouched.
 TensorBoard export writes real event files with ``torch.utils.tensorboard.SummaryWriter`` (one ``add_scalar`` per
 stored value, stored as float32 by the event format), plus the config, manifest and events as text summaries.
 
+MLflow export (``export_mlflow``) writes one MLflow run with MLflow's own client: every scalar as a metric value
+(float64, bit for bit), the judge's manifest keys as params, the config, manifest and events as JSON artifacts;
+``lowprec.runs.import_run(..., fmt="mlflow")`` reads it back.
+
 Every export reads through the store's verified reads: a run whose stored values do not match their checksums is
 refused (``StoreCorrupt``), never exported.  The run id becomes a directory name under ``logdir``; the store
 refuses ids that are not 12 lowercase hex characters, and ``run_dir`` checks again that the directory it builds is
@@ -30,6 +34,7 @@ import io
 import json
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -38,7 +43,8 @@ from .._errors import UsageError
 from ._atomic import atomic_write_bytes, atomic_write_text
 from ._store import _RUN_ID, RunRecord, RunStore
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "export_run", "export_tensorboard", "run_dir", "run_to_dict"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "export_mlflow", "export_run", "export_tensorboard", "run_dir",
+           "run_to_dict"]
 
 FORMATS = ("csv", "json")
 FORMAT_VERSION = 1
@@ -165,3 +171,54 @@ def export_tensorboard(store: RunStore, run_id: str, logdir: str | os.PathLike[s
         writer.close()
     (event_file,) = out_dir.glob("events.out.tfevents.*")  # the old ones were deleted above
     return event_file
+
+
+_MLFLOW_STATUS = {"completed": "FINISHED", "diverged": "FAILED", "failed": "FAILED", "running": "RUNNING"}
+_MLFLOW_KEY = re.compile(r"[\w\-. /:]+")
+
+
+def export_mlflow(store: RunStore, run_id: str, tracking_uri: str | os.PathLike[str], *,
+                  experiment: str = "lowprec") -> str:
+    """Write run ``run_id`` as an MLflow run in experiment ``experiment`` (created when missing) of the tracking
+    store ``tracking_uri`` (a folder or ``file:`` URI is MLflow's file store); returns the MLflow run id.
+
+    Every stored scalar becomes a metric value at its step (MLflow keeps float64: values arrive bit for bit),
+    stamped with the run's creation time; params ``seed``, ``model``, ``steps``, ``data_hash``, ``recipe_hash``,
+    ``framework`` and ``lowprec.metrics`` (the directions, JSON) carry what ``import_run`` reads back; tags
+    ``lowprec.run_id``, ``lowprec.group``, ``lowprec.status``, and the config, manifest and events as JSON
+    artifacts under ``lowprec/``.  A key MLflow refuses (characters outside letters, digits, ``_-. /:``) is left
+    out and listed in the tag ``lowprec.skipped_keys``."""
+    from ._import import _mlflow_client
+
+    client, _ = _mlflow_client(str(tracking_uri))
+    from mlflow.entities import Metric, Param, RunTag
+
+    rec = store.get_run(run_id)
+    scalars, events = store.scalars(rec.run_id), store.events(rec.run_id)
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+    t_ms = int(rec.created_at * 1000)
+    skipped = sorted(k for k in scalars if not _MLFLOW_KEY.fullmatch(k) or os.path.normpath(k) != k)
+    m = rec.manifest
+    params = {"seed": m.get("seed"), "model": rec.config.get("model"), "steps": rec.config.get("steps"),
+              "data_hash": m.get("data_hash"), "recipe_hash": m.get("recipe_hash"), "framework": m.get("framework"),
+              "lowprec.metrics": json.dumps(m.get("metrics") or {}, sort_keys=True)}
+    tags = {"lowprec.run_id": rec.run_id, "lowprec.group": rec.group or "", "lowprec.status": rec.status,
+            "lowprec.skipped_keys": json.dumps(skipped)}
+    run = client.create_run(exp_id, start_time=t_ms, run_name=rec.name, tags=tags)
+    mid = run.info.run_id
+    try:
+        metrics = [Metric(key, v, t_ms, s) for key, (steps, values) in sorted(scalars.items()) if key not in skipped
+                   for s, v in zip(steps.tolist(), values.tolist(), strict=True)]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+            client.log_batch(mid, metrics=metrics[i:i + 1000])
+        client.log_batch(mid, params=[Param(k, str(v)) for k, v in params.items() if v is not None],
+                         tags=[RunTag("lowprec.exported_by", "lowprec.runs.export_mlflow")])
+        for name, obj in (("config", rec.config), ("manifest", m), ("events", events)):
+            client.log_dict(mid, _finite_or_str(obj), f"lowprec/{name}.json")
+        client.set_terminated(mid, status=_MLFLOW_STATUS.get(rec.status, "FAILED"),
+                              end_time=int((rec.finished_at or rec.created_at) * 1000))
+    except BaseException:
+        client.delete_run(mid)
+        raise
+    return str(mid)
