@@ -40,6 +40,7 @@ from ._task import (
     epoch_sampler,
     hash_arrays,
     make_defaults,
+    model_device,
     restoring_mode,
     seeded,
 )
@@ -129,10 +130,11 @@ def _classifier_task(
 
     @restoring_mode
     def evaluate(m: nn.Module) -> dict[str, float]:
-        logits = m(x_va.reshape(shape))
+        device = model_device(m)
+        logits, y = m(x_va.reshape(shape).to(device)), y_va.to(device)
         return {
-            "loss": float(F.cross_entropy(logits, y_va)),
-            "accuracy": float((logits.argmax(-1) == y_va).to(torch.float64).mean()),
+            "loss": float(F.cross_entropy(logits, y)),
+            "accuracy": float((logits.argmax(-1) == y).to(torch.float64).mean()),
         }
 
     return Task(

@@ -18,11 +18,15 @@ options the task accepts instead of a bare ``TypeError``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import importlib.metadata
 import inspect
+import os
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..._errors import UsageError
@@ -104,15 +108,34 @@ def _options_of(builder: Callable[..., Task]) -> list[str] | None:
             and p.name not in ("seed", "batch_size")]
 
 
-def resolve_builder(name: str) -> Callable[..., Task]:
+@contextlib.contextmanager
+def _on_path(folder: str | os.PathLike[str] | None) -> Iterator[None]:
+    """``folder`` appended to ``sys.path`` for the block (at the end: it never shadows an installed module), unless
+    it is there already."""
+    entry = None if folder is None else os.fspath(folder)
+    if entry is None or entry in sys.path:
+        yield
+        return
+    sys.path.append(entry)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(entry)
+
+
+def resolve_builder(name: str, *, import_dir: str | os.PathLike[str] | None = None) -> Callable[..., Task]:
     """The declared builder that ``name`` (a run config's ``model``) names; nothing is called.
 
     Looked up in this order: ``"package.module:function"`` (:func:`load_entry_point`: the module is imported and
     the function must be declared), a built-in task, a name registered with ``@task(name=...)`` in this process,
     a ``lowprec.tasks`` entry point.  ValueError when ``name`` is none of these, listing the known names.
+    ``import_dir`` (a run config's folder) is on ``sys.path``, after every other entry, while the module is
+    imported, so ``"mytask:make"`` finds ``mytask.py`` next to the config.
     """
     if isinstance(name, str) and ":" in name:
-        return load_entry_point(name)
+        with _on_path(import_dir):
+            return load_entry_point(name)
     if isinstance(name, str) and name in _TASKS:
         return _TASKS[name]
     if isinstance(name, str):
@@ -126,16 +149,18 @@ def resolve_builder(name: str) -> Callable[..., Task]:
                        "@lowprec.runs.zoo.task)")
 
 
-def get_task(name: str, *, seed: int, batch_size: int | None = None, **options: Any) -> Task:
+def get_task(name: str, *, seed: int, batch_size: int | None = None,
+             import_dir: str | os.PathLike[str] | None = None, **options: Any) -> Task:
     """Build task ``name`` for ``seed``: a built-in name, a declared name, or ``"package.module:function"``.
 
     ``batch_size=None`` takes the task's default.  ``options`` are the task's model/data options (e.g.
     ``hidden=256`` for ``mlp-digits``); each is validated, and a ValueError names the bad option and what is
     allowed.  Unknown names raise UsageError listing :func:`names`; a ``module:function`` whose function is not
     declared a task (``@lowprec.runs.zoo.task`` or a ``lowprec.tasks`` entry point) raises ValueError before
-    any option is looked at and before the function is called.
+    any option is looked at and before the function is called.  ``import_dir``: as in :func:`resolve_builder`.
+    A task built with an empty ``name`` gets ``name``.
     """
-    builder = resolve_builder(name)
+    builder = resolve_builder(name, import_dir=import_dir)
     check_seed(seed)
     allowed = _options_of(builder)
     if allowed is not None:
@@ -146,7 +171,7 @@ def get_task(name: str, *, seed: int, batch_size: int | None = None, **options: 
     task = builder(seed=seed, batch_size=batch_size, **options)
     if not isinstance(task, Task):
         raise UsageError(f"task builder {name!r} returned {type(task).__name__}, not a lowprec.runs.zoo.Task")
-    return task
+    return task if task.name else dataclasses.replace(task, name=name)
 
 
 def load_entry_point(spec: str) -> Callable[..., Task]:
@@ -168,8 +193,8 @@ def load_entry_point(spec: str) -> Callable[..., Task]:
         obj: Any = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         if e.name is not None and (mod_name == e.name or mod_name.startswith(e.name + ".")):
-            raise UsageError(f"entry point {spec!r}: no module named {e.name!r} (is it installed, or on "
-                             "PYTHONPATH?)") from None
+            raise UsageError(f"entry point {spec!r}: no module named {e.name!r} (is it installed, on PYTHONPATH, "
+                             "or a file next to the run config?)") from None
         raise UsageError(f"entry point {spec!r}: importing module {mod_name!r} failed: {e}") from e
     except Exception as e:
         raise UsageError(f"entry point {spec!r}: importing module {mod_name!r} failed: "

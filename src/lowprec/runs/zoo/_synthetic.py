@@ -35,6 +35,7 @@ from ._task import (
     epoch_sampler,
     hash_arrays,
     make_defaults,
+    model_device,
     restoring_mode,
     seeded,
 )
@@ -108,7 +109,8 @@ def synthetic_regression(
 
     @restoring_mode
     def evaluate(m: nn.Module) -> dict[str, float]:
-        loss = float(((m(x).double() - y.double()) ** 2).sum(1).mean())
+        device = model_device(m)
+        loss = float(((m(x.to(device)).double() - y.to(device).double()) ** 2).sum(1).mean())
         return {"loss": loss, "excess_loss": loss - best}
 
     return Task(

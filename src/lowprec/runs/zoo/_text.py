@@ -41,6 +41,7 @@ from ._task import (
     count_params,
     derive_seed,
     make_defaults,
+    model_device,
     restoring_mode,
     seeded,
 )
@@ -155,8 +156,9 @@ def _evaluator(val: torch.Tensor, *, context: int) -> Callable[[nn.Module], dict
 
     @restoring_mode
     def evaluate(m: nn.Module) -> dict[str, float]:
-        total = torch.zeros((), dtype=torch.float64)
-        for chunk in windows.split(_EVAL_CHUNK):
+        device = model_device(m)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for chunk in windows.to(device).split(_EVAL_CHUNK):
             logits = m(chunk[:, :-1])  # [w, context, 256]
             total += F.cross_entropy(logits.reshape(-1, VOCAB), chunk[:, 1:].reshape(-1), reduction="sum").double()
         loss = float(total / (n_windows * context))
