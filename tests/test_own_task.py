@@ -10,6 +10,8 @@ what "auto" must pick.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec import UsageError
-from lowprec.runs import zoo
+from lowprec.runs import RunConfig, RunStore, run_config, zoo
+from lowprec.runs._config import ParallelConfig
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "own_task"
@@ -113,3 +116,82 @@ def test_generator_streams_are_independent_and_reproducible() -> None:
     assert torch.equal(a, torch.rand(3, generator=zoo.generator(1, "train", 0)))
     assert not torch.equal(a, torch.rand(3, generator=zoo.generator(1, "train", 1)))
     assert zoo.derive_seed(1, "train", 0) == zoo.derive_seed("1", "train", "0")  # parts are joined as text
+
+
+# ------------------------------------------------------------------------------------------- the config's folder
+
+
+def _write_task_module(folder: Path, module: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{module}.py").write_text(
+        "import torch\nfrom lowprec.runs import zoo\n\n"
+        "def undeclared(*, seed, batch_size=None):\n    raise AssertionError('must not be called')\n\n"
+        "@zoo.task\ndef make(*, seed, batch_size=None):\n"
+        "    with zoo.seeded(seed):\n        model = torch.nn.Linear(3, 2)\n"
+        "    def batch(step):\n        g = zoo.generator(seed, 'x', step)\n"
+        "        return torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)\n"
+        "    return zoo.Task(model=model, train_batch=batch, loss_fn=torch.nn.functional.mse_loss,\n"
+        "                    eval_batches=[batch(10**6)])\n")
+
+
+def test_config_folder_is_on_the_import_path_only_while_resolving(tmp_path: Path) -> None:
+    module = "own_task_test_folder_mod"
+    _write_task_module(tmp_path / "cfg", module)
+    (tmp_path / "cfg" / "run.toml").write_text(f'model = "{module}:make"\nsteps = 3\n')
+    from lowprec.runs import build_task, load_config
+
+    config = load_config(tmp_path / "cfg" / "run.toml")
+    assert config.config_dir == str((tmp_path / "cfg").resolve())
+    assert "config_dir" not in config.to_dict()
+    task = build_task(config, 0)
+    assert task.name == f"{module}:make" and task.samples_per_step == 8
+    assert config.config_dir not in sys.path
+    with pytest.raises(UsageError, match="is not declared a lowprec task"):
+        build_task(dataclasses.replace(config, model=f"{module}:undeclared"), 0)
+    with pytest.raises(UsageError, match="next to the run config"):
+        build_task(dataclasses.replace(config, model="own_task_no_such_mod:make"), 0)
+
+
+# ------------------------------------------------------------------------------------------- device
+
+
+def test_device_round_trips_and_is_checked() -> None:
+    for device in ("cpu", "cuda"):
+        c = RunConfig(model="mlp-digits", device=device)
+        assert c.to_dict()["device"] == device and RunConfig.from_dict(c.to_dict()) == c
+    auto = RunConfig(model="mlp-digits")
+    assert auto.device == "auto" and "device" not in auto.to_dict()  # a default config's data is unchanged
+    assert RunConfig.from_toml('model = "mlp-digits"\ndevice = "cpu"\n').device == "cpu"
+    with pytest.raises(UsageError, match="device must be one of 'auto', 'cpu', 'cuda'; got 'gpu'"):
+        RunConfig.from_toml('model = "mlp-digits"\ndevice = "gpu"\n')
+    with pytest.raises(UsageError, match="framework = \"jax\".*device"):
+        RunConfig(model="mlp-digits", framework="jax", device="cuda")
+
+
+@NO_CUDA
+def test_auto_is_cpu_here_and_recorded(tmp_path: Path) -> None:
+    from lowprec.runs._parallel import resolve_backend, resolve_device
+
+    assert resolve_device("auto") == "cpu" and resolve_backend("auto", "auto") == "gloo"
+    config = RunConfig(model="synthetic-regression", steps=2, eval_interval=2, threads=1, store=str(tmp_path / "r.db"))
+    with RunStore(config.store) as store:
+        (rid,) = run_config(config, store=store, progress=False)
+        rec = store.get_run(rid)
+    assert rec.status == "completed" and rec.manifest["hardware"]["device"] == "cpu"
+    assert rec.manifest["hardware"]["gpu"] is None and "device" not in rec.config
+
+
+@NO_CUDA
+def test_cuda_without_a_gpu_is_refused_before_any_work(tmp_path: Path) -> None:
+    from lowprec.runs._launch import preflight
+
+    for par in (ParallelConfig(), ParallelConfig(strategy="ddp", world_size=2)):
+        config = RunConfig(model="synthetic-regression", steps=2, device="cuda", parallel=par,
+                           store=str(tmp_path / "r.db"))
+        with RunStore(config.store) as store, pytest.raises(UsageError, match="no usable CUDA GPU.*device = \"cpu\""):
+            run_config(config, store=store, progress=False)
+        with RunStore(config.store) as store:
+            assert store.list_runs() == []
+    with pytest.raises(UsageError, match="no usable CUDA GPU"):
+        preflight(RunConfig(model="mlp-digits", device="cuda", parallel=ParallelConfig(strategy="ddp", world_size=2)),
+                  64)

@@ -45,6 +45,7 @@ SCHEDULES = ("constant", "cosine", "linear")
 STRATEGIES = ("single", "ddp", "fsdp2", "hsdp")
 BACKENDS = ("auto", "gloo", "nccl")
 FRAMEWORKS = ("torch", "jax")
+DEVICES = ("auto", "cpu", "cuda")
 MAX_STEPS = 10**9
 """Upper bound of ``steps`` (and of the other step counts): a billion optimizer steps is weeks at a millisecond a
 step and years at the emulated GEMMs' pace, and every step stores a row per scalar; a larger value (``1e15``) is a
@@ -228,6 +229,14 @@ class RunConfig:
     """Path of the SQLite run store (checkpoints go next to it, under ``checkpoints/<run id>/``)."""
     threads: int | None = None
     """torch intra-op threads (None: leave torch's default)."""
+    device: str = "auto"
+    """Where the model and its batches live: "cpu", "cuda" or "auto" (CUDA when available, else CPU; under data
+    parallelism the process group's: CUDA with NCCL, CPU with gloo).  "cuda" without a usable GPU is refused before
+    any work.  The manifest records the device used (``hardware.device``)."""
+    config_dir: str | None = dataclasses.field(default=None, compare=False)
+    """The folder of the config file (``load`` sets it): on ``sys.path`` while the model is resolved, so ``model =
+    "mytask:make"`` finds ``mytask.py`` next to the config.  Not part of ``to_dict`` (it says where the files are,
+    not what is trained); the manifest records it as ``config_dir``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -265,6 +274,13 @@ class RunConfig:
             raise UsageError(f"store must be a path; got {self.store!r}")
         if self.threads is not None:
             check_int(self.threads, "threads", 1)
+        check_choice(self.device, "device", DEVICES)
+        if self.framework == "jax" and self.device == "cuda":
+            raise UsageError("framework = \"jax\" runs on JAX's default backend, which device does not choose; "
+                             "set device = \"auto\" (the manifest records the JAX platform) or framework = "
+                             "\"torch\"")
+        if self.config_dir is not None and (not isinstance(self.config_dir, str) or not self.config_dir):
+            raise UsageError(f"config_dir must be a folder path; got {self.config_dir!r}")
 
     @property
     def label(self) -> str:
@@ -300,10 +316,14 @@ class RunConfig:
 
     # ------------------------------------------------------------------------------------------- serialising
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data (``recipe`` as a full recipe table, ``seeds`` as a list)."""
+        """Plain JSON-ready data (``recipe`` as a full recipe table, ``seeds`` as a list).  ``config_dir`` is left
+        out, and so is ``device`` when it is "auto": a default config's data (and the digest a baseline keeps of
+        it) is the same as before the field existed."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "config_dir" or (f.name == "device" and v == "auto"):
+                continue
             if f.name == "recipe":
                 v = v.to_dict()
             elif dataclasses.is_dataclass(v) and not isinstance(v, type):
@@ -351,7 +371,8 @@ def check_declared(config: RunConfig, *, where: str | None = None) -> None:
 
 def load(path: str | Path) -> RunConfig:
     """Read and validate a run config file: TOML, or JSON when the name ends in ``.json`` (the form
-    ``RunConfig.to_json`` writes and ``python -m lowprec.train`` reads), with ``check_declared``."""
+    ``RunConfig.to_json`` writes and ``python -m lowprec.train`` reads), with ``check_declared``; its
+    ``config_dir`` is the file's folder (absolute)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -364,7 +385,7 @@ def load(path: str | Path) -> RunConfig:
     else:
         config = RunConfig.from_toml(text, where=str(p))
     check_declared(config, where=str(p))
-    return config
+    return dataclasses.replace(config, config_dir=str(p.resolve().parent))
 
 
 def _table(cls: type, value: Any, field: str) -> Any:

@@ -43,6 +43,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals this parent forwards to torchrun's process group."""
 GRACE_S = 60.0
 """After forwarding a signal, how long torchrun may take to stop its workers before its group gets SIGKILL."""
+CONFIG_DIR_ENV = "LOWPREC_CONFIG_DIR"
+"""The run config's folder (``RunConfig.config_dir``), passed to the workers: the one import location they add
+while resolving ``model`` (``_runner.build_task``), as the parent process does."""
 
 
 class RunFailed(RuntimeError):
@@ -56,12 +59,13 @@ def _free_port() -> int:
 
 
 def preflight(config: RunConfig, batch_size: int) -> int:
-    """Raise ValueError for a layout that cannot work; returns the rendezvous port to use."""
+    """Raise ValueError for a layout that cannot work (a ``device`` this machine lacks included); returns the
+    rendezvous port to use."""
     p = config.parallel
     if batch_size % p.world_size:
         raise UsageError(f"batch_size {batch_size} is not divisible by parallel.world_size {p.world_size}; each "
                          f"rank trains on batch_size / world_size rows: use a multiple of {p.world_size}")
-    resolve_backend(p.backend)
+    resolve_backend(p.backend, config.device)
     if p.master_port is None:
         return _free_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -81,7 +85,7 @@ def launch(config: RunConfig, *, seed: int, batch_size: int, store: RunStore, re
         raise UsageError(f"resume must be a full run id (12 lowercase hex characters), got {resume!r}")
     run_id = resume or uuid.uuid4().hex[:12]
     cfg_path = store.path.parent / "launch" / f"{run_id}.json"  # next to the store, whatever the cwd
-    atomic_write_text(cfg_path, json.dumps(config.to_dict(), indent=2))
+    atomic_write_text(cfg_path, json.dumps(worker_config(config), indent=2))
     p = config.parallel
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={p.world_size}", "--nnodes=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
@@ -89,6 +93,9 @@ def launch(config: RunConfig, *, seed: int, batch_size: int, store: RunStore, re
            "--run-id", run_id, "--store", str(store.path)] + (["--quiet"] if quiet else []) + (
                ["--allow-restart"] if allow_restart else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(config.threads or os.environ.get("OMP_NUM_THREADS", "1")))
+    env.pop(CONFIG_DIR_ENV, None)
+    if config.config_dir:
+        env[CONFIG_DIR_ENV] = config.config_dir
     rc, received = run_torchrun(cmd, env)
     rec = _find(store, run_id)
     if rec is not None and rec.status in ("completed", "diverged") and (rc == 0 or received):
@@ -102,6 +109,15 @@ def launch(config: RunConfig, *, seed: int, batch_size: int, store: RunStore, re
     if rec.status not in ("completed", "diverged"):
         store.finish_run(run_id, status="failed", error=reason)  # not this object's claim: revokes the attempt
     raise RunFailed(f"run {run_id} failed: {reason}")
+
+
+def worker_config(config: RunConfig) -> dict[str, Any]:
+    """The config the workers read: ``config.to_dict()``, with ``parallel.backend = "auto"`` made "gloo" for a
+    CPU run on a machine with CUDA (a worker's own "auto" would pick NCCL, which cannot train CPU tensors)."""
+    data = config.to_dict()
+    if config.parallel.backend == "auto" and resolve_backend("auto", config.device) != resolve_backend("auto"):
+        data["parallel"] = {**data["parallel"], "backend": resolve_backend("auto", config.device)}
+    return data
 
 
 def _find(store: RunStore, run_id: str) -> RunRecord | None:

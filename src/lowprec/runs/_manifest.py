@@ -61,10 +61,15 @@ def git_state(directory: str | os.PathLike[str] = ".") -> dict[str, Any] | None:
 
 
 def build_manifest(*, seed: int, recipe_hash: str, data_hash: str, data_source: str,
-                   metrics: dict[str, str], device: str = "cpu") -> dict[str, Any]:
-    """The manifest of one run (JSON-ready)."""
+                   metrics: dict[str, str], device: str = "cpu", config_dir: str | None = None) -> dict[str, Any]:
+    """The manifest of one run (JSON-ready).  ``device``: the device type the run trained on ("cpu", "cuda"; a
+    JAX run's platform), recorded as ``hardware.device`` (what the judge tells experiments apart by), with the
+    GPU's name as ``hardware.gpu`` on CUDA.  ``config_dir``: the run config's folder (where a ``"module:function"``
+    model was also looked for; ``lowprec run --resume`` looks there again), recorded when given."""
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
+    extra = {} if config_dir is None else {"config_dir": config_dir}
     return {
+        **extra,
         "seed": seed,
         "recipe_hash": recipe_hash,
         "data_hash": data_hash,

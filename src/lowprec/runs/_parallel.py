@@ -184,10 +184,47 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"lowprec/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 
-def resolve_backend(backend: str) -> str:
-    """"auto" is NCCL when CUDA is available, else gloo; an unavailable backend is a clear error."""
+def resolve_device(device: str) -> str:
+    """A run config's ``device`` as "cpu" or "cuda": "auto" is CUDA when available, else CPU; "cuda" without a usable
+    GPU is a UsageError (raised before any work) saying how to fix the config."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device = \"cuda\" but this machine has no usable CUDA GPU (torch.cuda.is_available() is "
+                         f"False; torch {torch.__version__}, built for CUDA {torch.version.cuda}): set device = "
+                         "\"cpu\" or \"auto\", or run on a machine with a GPU and a CUDA build of torch")
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"device must be one of 'auto', 'cpu', 'cuda'; got {device!r}")
+    return device
+
+
+def world_device(device: str, world: World) -> torch.device:
+    """The device this process trains on: ``resolve_device`` in one process; under data parallelism the process
+    group's (this rank's GPU with NCCL, the CPU with gloo), with a UsageError when ``device`` says otherwise."""
+    if not world.distributed:
+        chosen = resolve_device(device)
+        return torch.device("cuda", torch.cuda.current_device()) if chosen == "cuda" else torch.device("cpu")
+    backend = dist.get_backend()
+    if backend == "nccl":
+        if device == "cpu":
+            raise UsageError("device = \"cpu\" but the process group uses NCCL, which needs CUDA tensors: set "
+                             "parallel.backend = \"gloo\" (lowprec run does so itself for device = \"cpu\")")
+        return torch.device("cuda", torch.cuda.current_device())
+    if device == "cuda":
+        raise UsageError(f"device = \"cuda\" under data parallelism needs parallel.backend = \"nccl\" (or "
+                         f"\"auto\"); the process group uses {backend!r}")
+    return torch.device("cpu")
+
+
+def resolve_backend(backend: str, device: str | None = None) -> str:
+    """"auto" is NCCL when the run trains on CUDA (``device``; None: when CUDA is available), else gloo; an
+    unavailable backend, or NCCL for a CPU run, is a clear error."""
+    cuda = torch.cuda.is_available() if device is None else resolve_device(device) == "cuda"
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+        return "nccl" if cuda and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and device is not None and not cuda and torch.cuda.is_available():
+        raise UsageError("parallel.backend 'nccl' needs CUDA tensors but device = \"cpu\": use backend 'gloo' or "
+                         "'auto', or device = \"cuda\"")
     if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise UsageError("parallel.backend 'nccl' needs CUDA GPUs and a torch build with NCCL; this machine has "
                          f"cuda={torch.cuda.is_available()}, nccl={dist.is_nccl_available()}: use 'gloo' or 'auto'")

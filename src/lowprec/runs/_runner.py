@@ -18,6 +18,10 @@ a snapshot of what a forward/backward changes besides gradients: the module buff
 stochastic-rounding counters, batch-norm statistics) and the CPU random generator; the batch is a pure function of
 (seed, step).  See ``docs/debugging.md`` for the measured cost.
 
+Every batch follows the zoo's batch contract (``lowprec.runs.zoo.batch_loss``: a dict calls ``model(**batch)``, a
+tuple ``(*inputs, target)`` calls ``model(*inputs)``) and is moved, with the model, to the config's ``device``
+(``_parallel.world_device``: "auto" is CUDA when available; under data parallelism the process group's device).
+
 A recipe with a ``fallback`` policy (single process or DDP, where rank 0 decides and every replica follows)
 samples the tensor statistics (``[stats] every``, or ``FALLBACK_EVERY``) and moves a layer whose statistics cross
 the policy's thresholds to the higher-precision ``LinearRecipe``, with a ``fallback`` event; the decisions and
@@ -44,11 +48,11 @@ from ..optim import LowPrecisionOptimizer
 from ._checkpoint import checkpoint_digest, checkpoint_dir, load_checkpoint, save_checkpoint
 from ._config import RunConfig
 from ._manifest import build_manifest
-from ._parallel import World, Wrapped, unwrap, wrap_model
+from ._parallel import World, Wrapped, resolve_device, unwrap, world_device, wrap_model
 from ._progress import Progress
 from ._resume import RECORDS_KEY, Candidate, ResumePoint, check_resumable, choose, record_checkpoint
 from ._store import RunRecord, RunStore
-from .zoo import Task, get_task
+from .zoo import Task, batch_loss, get_task, to_device
 
 SHARDED = ("fsdp2", "hsdp")
 """Layouts whose checkpoints are sharded (torch.distributed.checkpoint)."""
@@ -67,9 +71,19 @@ def _check_fallback(config: RunConfig, world: World | None = None) -> None:
                          f"\"single\", or remove the recipe's fallback")
 
 
+def import_dir(config: RunConfig) -> str | None:
+    """The folder a ``"module:function"`` model is also looked for in: the config file's (``config_dir``), or in a
+    torchrun worker the one its launcher passed (``_launch.CONFIG_DIR_ENV``)."""
+    from ._launch import CONFIG_DIR_ENV
+
+    return config.config_dir or os.environ.get(CONFIG_DIR_ENV) or None
+
+
 def build_task(config: RunConfig, seed: int) -> Task:
-    """The config's task for ``seed`` (a zoo name, or an entry point ``package.module:function``)."""
-    return get_task(config.model, seed=seed, batch_size=config.batch_size, **config.model_options)
+    """The config's task for ``seed`` (a zoo name, or an entry point ``package.module:function``, looked for on
+    ``sys.path`` and in the config's folder)."""
+    return get_task(config.model, seed=seed, batch_size=config.batch_size, import_dir=import_dir(config),
+                    **config.model_options)
 
 
 def make_optimizer(config: RunConfig, model: torch.nn.Module) -> LowPrecisionOptimizer:
@@ -115,6 +129,8 @@ class _State:
     decides from its statistics and every replica applies the decision)."""
     sample_every: int | None = None
     """The statistics' sampling interval (steps ``s`` with ``s % sample_every == 0`` are sampled)."""
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    """Where the model and every batch live (``world_device``)."""
 
 
 def _full_state(st: _State) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -283,9 +299,9 @@ def _forward_backward(task: Task, st: _State, config: RunConfig, batch: int, *,
     ``replay``: the localisation replay of a failed step.  Under DDP it runs the inner module, so no gradient is
     all-reduced (each rank's replay sees its own gradients, and a compression hook's state is not touched); the
     amax histories are not MAX-reduced either.  Every rank replays, so FSDP2's all-gathers still pair up."""
-    inputs, targets = st.world.shard(task.train_batch(batch))
+    data = to_device(st.world.shard(task.train_batch(batch)), st.device)
     model = unwrap(st.model) if replay else st.model
-    loss = task.loss_fn(model(inputs), targets)
+    loss = batch_loss(model, data, task.loss_fn)
     st.optimizer.zero_grad()
     st.optimizer.scale_loss(loss).backward()
     if not replay:
@@ -532,7 +548,8 @@ def _open_run(config: RunConfig, task: Task, st: _State, store: RunStore, *, see
     rid, create = w.broadcast((rid, create))
     if create and w.is_main:
         manifest = build_manifest(seed=seed, recipe_hash=config.recipe.hash(), data_hash=task.data_hash,
-                                  data_source=task.data_source, metrics=task.metrics)
+                                  data_source=task.data_source, metrics=task.metrics, device=st.device.type,
+                                  config_dir=import_dir(config))
         manifest["world_size"] = w.size
         manifest[RECORDS_KEY] = True
         rid = store.create_run(name=f"{config.label} seed {seed}", config=config.to_dict(), manifest=manifest,
@@ -578,12 +595,14 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
 def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str | None, progress: bool,
                  world: World, run_id: str | None, allow_restart: bool) -> str:
     """``train`` for ``framework = "torch"``, once ``world`` is checked against the config."""
+    device = world_device(config.device, world)  # a missing GPU is refused before any work
     if config.threads:
         torch.set_num_threads(config.threads)
     task = build_task(config, seed)
     config = config.for_seed(seed).resolve({**task.defaults, "batch_size": task.samples_per_step})
-    wrapped = wrap_model(convert(task.model, config.recipe), config.recipe, world)
-    st = _State(model=wrapped.model, optimizer=make_optimizer(config, wrapped.model), world=world, wrapped=wrapped)
+    wrapped = wrap_model(convert(task.model, config.recipe).to(device), config.recipe, world)
+    st = _State(model=wrapped.model, optimizer=make_optimizer(config, wrapped.model), world=world, wrapped=wrapped,
+                device=device)
     policy = config.recipe.fallback
     if policy is not None:
         _check_fallback(config, world)
@@ -623,6 +642,8 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
 def run_config(config: RunConfig, *, store: RunStore, progress: bool = True) -> list[str]:
     """Train every seed of ``config`` in turn (on torchrun workers for a data-parallel layout); returns the run
     ids."""
+    if config.framework == "torch":
+        resolve_device(config.device)  # "cuda" without a GPU: refused before the first seed
     if config.parallel.strategy == "single":
         return [train(config, seed=s, store=store, progress=progress) for s in config.seeds]
     if config.recipe.fallback is not None:
@@ -647,12 +668,12 @@ def resume_run(run_id: str, *, store: RunStore, progress: bool = True, world_siz
     refused; ``allow_restart`` as in ``train``."""
     record = store.get_run(run_id)
     check_resumable(record)
-    stored = {**record.config, "store": str(store.path)}
+    stored = {**record.config, "store": str(store.path), "config_dir": record.manifest.get("config_dir")}
     config = RunConfig.from_dict(stored, where=f"run {record.run_id}'s stored config")
     if world_size is not None:
         layout = {"strategy": "single" if world_size == 1 else "ddp", "world_size": world_size}
-        config = RunConfig.from_dict({**config.to_dict(), "parallel": {**config.to_dict()["parallel"], **layout}},
-                                     where="--world-size")
+        config = RunConfig.from_dict({**config.to_dict(), "parallel": {**config.to_dict()["parallel"], **layout},
+                                      "config_dir": config.config_dir}, where="--world-size")
     seed = int(record.manifest["seed"])
     if config.parallel.strategy != "single":
         from ._launch import launch
