@@ -11,6 +11,8 @@ what "auto" must pick.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -195,3 +197,71 @@ def test_cuda_without_a_gpu_is_refused_before_any_work(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="no usable CUDA GPU"):
         preflight(RunConfig(model="mlp-digits", device="cuda", parallel=ParallelConfig(strategy="ddp", world_size=2)),
                   64)
+
+
+# ------------------------------------------------------------------------------------------- the example
+
+
+def _example_task() -> zoo.Task:
+    if str(EXAMPLE) not in sys.path:
+        sys.path.append(str(EXAMPLE))
+    try:
+        return zoo.get_task("mytask:make", seed=0, import_dir=EXAMPLE, hidden=32)
+    finally:
+        if str(EXAMPLE) in sys.path:
+            sys.path.remove(str(EXAMPLE))
+
+
+def _lowprec(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LOWPREC_STORE", "LOWPREC_CONFIG_DIR")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "lowprec.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _check_example_runs(store_path: Path, n: int, steps: int, world_size: int, folder: Path = EXAMPLE) -> None:
+    task = _example_task()
+    with RunStore(store_path) as store:
+        runs = store.list_runs()
+        assert len(runs) == n
+        for rec in runs:
+            rec = store.get_run(rec.run_id)
+            assert rec.status == "completed", rec.error
+            assert rec.config["model"] == "mytask:make" and rec.config["steps"] == steps
+            assert rec.manifest["hardware"]["device"] == "cpu" and rec.manifest["world_size"] == world_size
+            assert rec.manifest["config_dir"] == str(folder.resolve())
+            assert rec.manifest["data_hash"] == task.data_hash and rec.manifest["metrics"] == task.metrics
+            sc = store.scalars(rec.run_id)
+            assert list(sc["train/loss"][0]) == list(range(1, steps + 1))
+            assert list(sc["eval/accuracy"][0])[-1] == steps and 0.0 <= sc["eval/accuracy"][1][-1] <= 1.0
+
+
+@NO_CUDA
+def test_example_runs_from_another_folder(tmp_path: Path) -> None:
+    """``lowprec run examples/own_task/run.toml`` from a folder that is not the example's, no PYTHONPATH."""
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    store = tmp_path / "store" / "runs.db"
+    p = _lowprec(["run", str(EXAMPLE / "run.toml"), "--store", str(store), "--steps", "6", "--seeds", "0",
+                  "--quiet"], cwd)
+    assert p.returncode == 0, p.stdout + p.stderr
+    _check_example_runs(store, 1, 6, 1)
+    assert not (cwd / "lowprec-runs").exists()
+
+
+@NO_CUDA
+def test_example_trains_data_parallel_with_dict_batches(tmp_path: Path) -> None:
+    """The example on 2 torchrun workers (gloo) from a copy of its folder: the workers find mytask.py there, in the
+    folder the launcher passes them, not through PYTHONPATH or the working directory."""
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    (folder / "mytask.py").write_text((EXAMPLE / "mytask.py").read_text())
+    text = (EXAMPLE / "run.toml").read_text().replace('recipe = "fp8-tensorwise"', 'recipe = "fp32"')
+    (folder / "run.toml").write_text(text + '\n[parallel]\nstrategy = "ddp"\nworld_size = 2\n')
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    store = tmp_path / "runs.db"
+    p = _lowprec(["run", str(folder / "run.toml"), "--store", str(store), "--steps", "4", "--seeds", "0", "--quiet"],
+                 cwd)
+    assert p.returncode == 0, p.stdout + p.stderr
+    _check_example_runs(store, 1, 4, 2, folder=folder)
