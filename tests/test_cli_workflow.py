@@ -55,12 +55,14 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (d / "c.toml").write_text(f'model = "mlp-digits"\nsteps = {STEPS}\nthreads = 1\n[schedule]\nwarmup_steps = 2\n')
     (d / "s.toml").write_text(f'model = "mlp-digits"\nsteps = {STEPS}\nthreads = 1\nname = "stats"\n'
                               '[schedule]\nwarmup_steps = 2\n[stats]\nevery = 2\nwhat_if = {m4 = "mxfp4"}\n')
+    # 2-6 steps do not train the model: these plumbing tests declare that a flat, short reference is expected
+    (d / "flat.toml").write_text("min_loss_drop = 0\nmin_judged_steps = 1\n")
     store = str(d / "runs.db")
     cwd = os.getcwd()
     os.chdir(d)  # the manifest's git state is that of the working directory
     try:
-        for args in (["baseline", "c.toml", "--name", "ref", "--seeds", "2"],
-                     ["baseline", "c.toml", "--name", "pair", "--seeds", "4", "7"],
+        for args in (["baseline", "c.toml", "--name", "ref", "--seeds", "2", "--criteria", "flat.toml"],
+                     ["baseline", "c.toml", "--name", "pair", "--seeds", "4", "7", "--criteria", "flat.toml"],
                      ["run", "c.toml", "--seeds", "10", "11"],
                      ["run", "s.toml", "--seeds", "3"]):
             assert main([*args, "--store", store, "--quiet"]) == 0, args
@@ -112,7 +114,8 @@ def test_run_and_baseline_take_a_recipe_file(work: Path, tmp_path: Path,
         (newest, *_) = _runs(store)
         assert RunConfig.from_dict(newest.config).recipe == recipes.get(name), file
     rc, _, err = _main(capsys, "baseline", str(work / "c.toml"), "--name", "mx", "--recipe", str(tmp_path / "r.toml"),
-                       "--steps", "2", "--store", store, "--quiet", "--seeds", "2")
+                       "--steps", "2", "--store", store, "--quiet", "--seeds", "2",
+                       "--criteria", str(work / "flat.toml"))
     assert rc == 0, err
     with RunStore(store) as s:
         assert all(RunConfig.from_dict(r.config).recipe == recipes.get("mxfp8")

@@ -203,8 +203,8 @@ def test_verdict_table_and_dict() -> None:
     assert text.splitlines()[0].startswith(verdict.word)
     for r in verdict.results:
         assert r.name in text and r.reason in text
-    assert json.loads(json.dumps(verdict.to_dict(), allow_nan=False))["results"][0]["name"] == "completion"
-    assert [r.name for r in verdict.results] == ["completion", "divergence", "curve", "final/loss",
+    assert json.loads(json.dumps(verdict.to_dict(), allow_nan=False))["results"][0]["name"] == "baseline"
+    assert [r.name for r in verdict.results] == ["baseline", "completion", "divergence", "curve", "final/loss",
                                                   "final/accuracy"]
 
 
@@ -355,3 +355,75 @@ def test_fail_reason_states_the_per_metric_level_as_the_family_alpha_split() -> 
     assert acc.values["fail_alpha"] == pytest.approx(alpha / 2)
     assert f"< {alpha / 2:.3g} = metric_alpha {alpha:g} / 2 metrics" in acc.reason, acc.reason
     assert "better" not in acc.reason.split(":")[-1] and "worse by -" not in acc.reason
+
+
+# ------------------------------------------------------------------- a reference that did not train (section 6)
+def _flat(run: RunData) -> RunData:
+    """The run with a training loss that does not fall: the same noise around a constant 2.0."""
+    st, v = run.scalars["train/loss"]
+    t = st.astype(np.float64)
+    flat = v - 3.0 * np.exp(-t / 60.0)
+    return dataclasses.replace(run, scalars={**run.scalars, "train/loss": (st, flat)})
+
+
+def test_a_reference_whose_loss_did_not_fall_is_refused_naming_the_numbers() -> None:
+    """Oracle: the drop by hand.  The synthetic loss falls from about 5 to 2 (a 50%+ drop, accepted); with the
+    decay removed it stays at 2.0 +- noise (a drop near 0%, refused with the criterion's name and the fix);
+    min_loss_drop = 0 accepts it (a converged model)."""
+    rng = np.random.default_rng(20)
+    runs = [make_run(rng, s) for s in range(3)]
+    ok = build_baseline("ref", runs)
+    st, _ = runs[0].scalars["train/loss"]
+    w = ok.criteria.smoothing_window
+    early = np.mean([smooth(r.scalars["train/loss"][1], w)[w - 1] for r in runs])
+    final = np.mean([smooth(r.scalars["train/loss"][1], w)[-1] for r in runs])
+    from lowprec.accuracy._baseline import loss_drop
+
+    assert loss_drop(ok) == pytest.approx((early, final, (early - final) / early))
+    assert (early - final) / early > 0.4
+    flat = [_flat(r) for r in runs]
+    with pytest.raises(ValueError, match=r"did not train: .* drop, below criteria\.min_loss_drop 5%") as e:
+        build_baseline("ref", flat)
+    assert "min_loss_drop = 0" in str(e.value)
+    assert build_baseline("ref", flat, criteria=Criteria(min_loss_drop=0.0)).steps == STEPS
+
+
+def test_the_judge_fails_a_stored_baseline_that_did_not_train() -> None:
+    """Oracle: a baseline built before the check (criteria without it) then judged under the current criteria:
+    the "baseline" guard FAILs and so does the verdict, whatever the candidates; a trained baseline passes it."""
+    rng = np.random.default_rng(21)
+    flat = build_baseline("old", [_flat(make_run(rng, s)) for s in range(3)], criteria=Criteria(min_loss_drop=0.0))
+    stale = dataclasses.replace(flat, criteria=Criteria())
+    cands = [_flat(make_run(rng, 100 + s, recipe="fp8")) for s in range(3)]
+    v = judge(stale, cands)
+    guard = next(r for r in v.results if r.name == "baseline")
+    assert guard.outcome == "fail" and v.outcome == "fail" and "did not train" in guard.reason
+    base, good = trial(rng, 3, 3)
+    assert next(r for r in judge(base, good).results if r.name == "baseline").outcome == "pass"
+
+
+def test_a_candidate_with_too_few_logged_steps_fails_completion() -> None:
+    """Oracle: counting by hand.  400 steps, warm-up 40: a candidate that logs its loss every 100 steps has 4
+    points after the warm-up (100, 200, 300, 400) < min_judged_steps 5, so completion FAILs saying so; every 50
+    steps gives 8 points, which is enough for completion."""
+    rng = np.random.default_rng(22)
+    base, cands = trial(rng, 3, 2)
+
+    def every(run: RunData, k: int) -> RunData:
+        st, v = run.scalars["train/loss"]
+        keep = st % k == 0
+        return dataclasses.replace(run, scalars={**run.scalars, "train/loss": (st[keep], v[keep])})
+
+    sparse = judge(base, [every(r, 100) for r in cands])
+    comp = next(r for r in sparse.results if r.name == "completion")
+    assert comp.outcome == "fail" and "logged 4 train/loss step(s) after the warm-up" in comp.reason
+    ok = judge(base, [every(r, 50) for r in cands])
+    assert next(r for r in ok.results if r.name == "completion").outcome == "pass"
+
+
+def test_a_baseline_with_too_few_logged_steps_is_refused() -> None:
+    rng = np.random.default_rng(23)
+    runs = [make_run(rng, s, steps=6) for s in range(3)]
+    with pytest.raises(ValueError, match=r"only 5 logged train/loss step\(s\) after the warm-up \(1 of 6 steps\)"):
+        build_baseline("ref", runs, criteria=Criteria(min_judged_steps=6, min_loss_drop=0.0))
+    assert build_baseline("ref", runs, criteria=Criteria(min_loss_drop=0.0)).steps == 6

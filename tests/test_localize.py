@@ -18,8 +18,7 @@ import torch
 from _faulty_tasks import NanGrad, Overflow
 from torch import nn
 
-from lowprec.accuracy._baseline import RunData, build_baseline
-from lowprec.accuracy._judge import judge
+from lowprec.accuracy import Criteria, RunData, build_baseline, judge
 from lowprec.numerics import localize_nonfinite, nonfinite_summary
 from lowprec.runs._config import RunConfig
 from lowprec.runs._runner import run_config
@@ -320,7 +319,8 @@ def test_run_records_nonfinite_event_and_judge_names_it(tmp_path: Path, model: s
         assert p["shape"] == [64, 128]
         assert math.isfinite(float(p["loss"])) == loss_finite and math.isnan(float(p["grad_norm"]))
         assert not store.events(base[0], kind="nonfinite")
-        baseline = build_baseline("ref", [RunData.from_store(store, r) for r in base])
+        baseline = build_baseline("ref", [RunData.from_store(store, r) for r in base],
+                                  criteria=Criteria(min_loss_drop=0.0))  # 8 steps: about the event, not training
         verdict = judge(baseline, [RunData.from_store(store, rid)])
     (div_result,) = [r for r in verdict.results if r.name == "divergence"]
     assert not div_result.passed

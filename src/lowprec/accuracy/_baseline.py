@@ -294,7 +294,7 @@ def build_baseline(name: str, runs: list[RunData], *, criteria: Criteria | None 
     data_hash = first.manifest.get("data_hash")
     if not isinstance(data_hash, str) or not data_hash:
         raise UsageError(f"run {first.label}: manifest['data_hash'] must be a non-empty string; got {data_hash!r}")
-    return Baseline(
+    baseline = Baseline(
         name=name, model=model_name(first), data_hash=data_hash, steps=planned_steps(first), config=ref_cfg,
         config_digest=config_digest(first.config), metrics=dict(metrics), criteria=crit, seeds=tuple(seeds),
         run_ids=tuple(r.run_id for r in runs), run_names=tuple(r.name for r in runs),
@@ -302,6 +302,55 @@ def build_baseline(name: str, runs: list[RunData], *, criteria: Criteria | None 
         env_steps=curves[0][0], env_mean=stack.mean(axis=0), env_std=stack.std(axis=0, ddof=1),
         env_min=stack.min(axis=0), env_max=stack.max(axis=0),
     )
+    problems = baseline_problems(baseline)
+    if problems:
+        raise UsageError(f"baseline {name!r} from runs {', '.join(r.run_id for r in runs)}: "
+                         + "; ".join(problems))
+    return baseline
+
+
+def _early_index(b: Baseline) -> int:
+    """Index of the "early" loss: the first full smoothing window, or the first tenth of the steps when that is
+    shorter (a 20-step run with a 20-step window would compare its last step with itself)."""
+    n = len(b.env_mean)
+    return max(min(b.criteria.smoothing_window, math.ceil(n / 10)) - 1, 0)
+
+
+def loss_drop(b: Baseline) -> tuple[float, float, float]:
+    """(early, final, drop): the baseline's mean smoothed loss early (``_early_index``: the first full smoothing
+    window, at most a tenth of the run in), at the last step, and ``(early - final) / |early|``, the fraction it
+    fell while training."""
+    early = float(b.env_mean[_early_index(b)])
+    final = float(b.env_mean[-1])
+    return early, final, (early - final) / abs(early) if early else (0.0 if final == early else -math.inf)
+
+
+def judged_steps(b: Baseline, steps: np.ndarray | None = None) -> int:
+    """How many of ``steps`` (default: the baseline's logged loss steps) fall after the curve's warm-up."""
+    warm = math.ceil(b.criteria.warmup_fraction * b.steps)
+    s = b.env_steps if steps is None else np.intersect1d(b.env_steps, steps)
+    return int((s > warm).sum())
+
+
+def baseline_problems(b: Baseline) -> list[str]:
+    """Why ``b`` cannot serve as a baseline, one line each (empty: it can): its loss did not fall by
+    ``criteria.min_loss_drop`` (the reference did not train), or it logged fewer than
+    ``criteria.min_judged_steps`` loss steps after the warm-up."""
+    c = b.criteria
+    out = []
+    early, final, drop = loss_drop(b)
+    if c.min_loss_drop > 0 and not drop >= c.min_loss_drop:
+        out.append(f"the reference did not train: its mean smoothed {LOSS_KEY} went from {early:.4g} (step "
+                   f"{int(b.env_steps[_early_index(b)])}) to {final:.4g} (step "
+                   f"{int(b.env_steps[-1])}), a {drop:.1%} drop, below criteria.min_loss_drop {c.min_loss_drop:.0%}: "
+                   f"check its learning rate, data and labels, or set min_loss_drop = 0 in the criteria file if a "
+                   f"flat loss is expected (a converged model)")
+    n = judged_steps(b)
+    if n < c.min_judged_steps:
+        warm = math.ceil(c.warmup_fraction * b.steps)
+        out.append(f"only {n} logged {LOSS_KEY} step(s) after the warm-up ({warm} of {b.steps} steps), fewer than "
+                   f"criteria.min_judged_steps {c.min_judged_steps}: log the loss more often or train longer")
+    return out
 
 
 def _loss(run: RunData) -> tuple[np.ndarray, np.ndarray]:

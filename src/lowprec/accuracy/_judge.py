@@ -37,7 +37,17 @@ import scipy.stats
 
 from .._errors import UsageError
 from .._payloads import describe_payload
-from ._baseline import LOSS_KEY, Baseline, RunData, config_digest, final_value, planned_steps
+from ._baseline import (
+    LOSS_KEY,
+    Baseline,
+    RunData,
+    baseline_problems,
+    config_digest,
+    final_value,
+    judged_steps,
+    loss_drop,
+    planned_steps,
+)
 from ._stats import find_spike, margin_test, pooled_std, smooth
 
 DIVERGENCE_EVENTS = ("nonfinite", "diverged")
@@ -142,7 +152,8 @@ def judge(baseline: Baseline, candidates: list[RunData]) -> Verdict:
             raise UsageError(f"candidate runs {seen[seed]} and {run.label} share seed {seed!r}; seeds must be "
                              f"distinct (repeats of one seed are not independent samples)")
         seen[seed] = run.label
-    results = [_completion(baseline, candidates), _divergence(baseline, candidates), _curve(baseline, candidates)]
+    results = [_baseline_guard(baseline), _completion(baseline, candidates), _divergence(baseline, candidates),
+               _curve(baseline, candidates)]
     results += _finals(baseline, candidates)
     outcome = combine(results)
     plan = None
@@ -184,16 +195,36 @@ def _loss(run: RunData) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(steps, dtype=np.int64), np.asarray(vals, dtype=np.float64)
 
 
+def _baseline_guard(b: Baseline) -> CriterionResult:
+    """FAIL when the baseline cannot serve as one (``baseline_problems``): ``build_baseline`` refuses such a
+    baseline, but one stored or exported before that check (or built with other criteria) can still arrive."""
+    problems = baseline_problems(b)
+    early, final, drop = loss_drop(b)
+    vals = {"early_loss": early, "final_loss": final, "loss_drop": drop if math.isfinite(drop) else None,
+            "min_loss_drop": b.criteria.min_loss_drop, "judged_steps": judged_steps(b)}
+    if problems:
+        return CriterionResult(name="baseline", outcome="fail", role="guard", values=vals,
+                               reason="not a usable baseline: " + "; ".join(problems))
+    return CriterionResult(name="baseline", outcome="pass", role="guard", values=vals,
+                           reason=f"the reference trained: mean smoothed loss {early:.4g} -> {final:.4g} "
+                                  f"({drop:.1%} drop), {vals['judged_steps']} judged steps")
+
+
 def _completion(b: Baseline, runs: list[RunData]) -> CriterionResult:
     bad = {}
+    need = b.criteria.min_judged_steps
     for r in runs:
         steps, _ = _loss(r)
         last = int(steps[-1]) if len(steps) else 0
         if r.status not in ("completed", "diverged") or last < b.steps:  # diverged: finished, fails divergence
             bad[r.run_id] = f"{r.name!r} ({r.run_id}) status {r.status}, last step {last} of {b.steps}"
+        elif r.status == "completed" and (n := judged_steps(b, steps)) < need:
+            bad[r.run_id] = (f"{r.name!r} ({r.run_id}) logged {n} {LOSS_KEY} step(s) after the warm-up at the "
+                             f"baseline's steps, too few to judge (criteria.min_judged_steps {need}): log the "
+                             f"loss at the steps the baseline did")
     if bad:
         return CriterionResult(name="completion", outcome="fail", role="guard", values={"incomplete": bad},
-                               reason="not finished: " + "; ".join(bad.values()))
+                               reason="incomplete: " + "; ".join(bad.values()))
     return CriterionResult(name="completion", outcome="pass", role="guard",
                            values={"runs": len(runs), "steps": b.steps},
                            reason=f"all {len(runs)} run(s) completed {b.steps} steps")

@@ -319,6 +319,17 @@ class Criteria:
     spike_window: int = 20
     metrics: tuple[str, ...] | None = None
     """Eval metrics to judge (names without ``eval/``); None: every metric of the baseline."""
+    min_loss_drop: float = 0.05
+    """A reference that did not train is not a baseline: its mean smoothed training loss at the last step must be
+    at least this fraction (5%) below its early value (the first full smoothing window, at most a tenth of the
+    run in), ``(early - final) / |early| >= min_loss_drop``.  A flat reference (a learning rate of 0, frozen weights,
+    shuffled labels) is refused by ``build_baseline`` and FAILs the judge's "baseline" guard; 0 turns it off
+    (fine-tuning a converged model, say)."""
+    min_judged_steps: int = 5
+    """Fewest logged ``train/loss`` steps after the warm-up, common to the baseline and every candidate, that the
+    curve is judged on: a baseline with fewer is refused, a candidate with fewer FAILs "completion" (a run that
+    logs its loss every 100 steps of 500 leaves 4 points after a 10% warm-up: too few to tell a trajectory from
+    noise)."""
 
     def __post_init__(self) -> None:
         check_int(self.smoothing_window, "criteria.smoothing_window", 1)
@@ -337,6 +348,8 @@ class Criteria:
         check_float(self.spike_factor, "criteria.spike_factor", 1.0, open_lo=True)
         check_float(self.spike_mad, "criteria.spike_mad", 0.0)
         check_int(self.spike_window, "criteria.spike_window", 2)
+        check_float(self.min_loss_drop, "criteria.min_loss_drop", 0.0, 1.0)
+        check_int(self.min_judged_steps, "criteria.min_judged_steps", 1)
         if self.metric_margins is not None:
             pairs = isinstance(self.metric_margins, tuple) and all(
                 isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) and kv[0] for kv in
