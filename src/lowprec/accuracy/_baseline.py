@@ -27,15 +27,15 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import check_finite, check_literal, check_str
 from .._errors import UsageError
 from .._parse import parse_json
 from ..runs._atomic import atomic_write_text
-from ._stats import Criteria, smooth
+from ._stats import DIRECTIONS, Criteria, Direction, smooth
 
 FORMAT = "lowprec-baseline"
 FORMAT_VERSION = 1
 LOSS_KEY = "train/loss"
-DIRECTIONS = ("min", "max")
 ENVELOPE_COLUMNS = ("step", "mean", "std", "min", "max")
 # Config keys that may differ between the seed runs of one baseline (labels and where things are stored).
 RUN_LOCAL_KEYS = frozenset({"seed", "seeds", "name", "group", "store", "threads", "checkpoint"})
@@ -122,7 +122,7 @@ class Baseline:
     config: dict
     """The reference config without run-local keys (``identity_config``)."""
     config_digest: str
-    metrics: dict[str, str]
+    metrics: dict[str, Direction]
     """Eval metric -> "min" | "max" (lower / higher is better)."""
     criteria: Criteria
     seeds: tuple[int, ...]
@@ -232,8 +232,7 @@ def build_baseline(name: str, runs: list[RunData], *, criteria: Criteria | None 
     Every run must be completed, finite, have a distinct seed, the same config apart from run-local keys
     (``RUN_LOCAL_KEYS``), the same data hash, metrics and ``train/loss`` steps, and a final value of each
     metric logged at the last step."""
-    if not isinstance(name, str) or not name.strip():
-        raise UsageError(f"baseline name must be a non-empty string; got {name!r}")
+    check_str(name, "baseline name")
     crit = Criteria() if criteria is None else criteria
     if not isinstance(crit, Criteria):
         raise UsageError(f"criteria must be a Criteria; got {type(crit).__name__}")
@@ -420,8 +419,7 @@ def _parse(data: Any) -> Baseline:
     for m, d in metrics.items():
         if not isinstance(m, str) or not m.strip():
             raise UsageError(f"metrics must be keyed by metric names; got the key {m!r}")
-        if d not in DIRECTIONS:
-            raise UsageError(f"metrics.{m} must be 'min' or 'max'; got {d!r}")
+        check_literal(d, f"metrics.{m}", Direction)
     crit = Criteria.from_dict(_get(data, "criteria", dict, ""))
     if crit.metrics is not None and set(crit.metrics) - set(metrics):
         raise UsageError(f"criteria.metrics {sorted(set(crit.metrics) - set(metrics))} are not metrics of the "
@@ -451,9 +449,7 @@ def _parse(data: Any) -> Baseline:
         if set(final) != set(metrics):
             raise UsageError(f"{w}final must have one value per metric {sorted(metrics)}; got {sorted(final)}")
         for m in metrics:
-            v = _get(final, m, (int, float), w + "final.")
-            if not math.isfinite(v):
-                raise UsageError(f"{w}final.{m} must be a finite number; got {v!r}")
+            check_finite(_get(final, m, (int, float), w + "final."), f"{w}final.{m}")
         fin.append([float(final[m]) for m in metrics])
     if len(set(seeds)) != len(seeds):
         raise UsageError(f"seeds must be distinct; got {seeds}")

@@ -57,13 +57,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import scipy.stats
 
-from .._checks import check_float, check_int
+from .._checks import check_float, check_int, check_literal, literal_values
 from .._errors import UsageError
+
+Direction = Literal["min", "max"]
+"""Which way a metric is better: "min" (lower is better, a loss) or "max" (higher is better, an accuracy)."""
+DIRECTIONS: tuple[str, ...] = literal_values(Direction)
+CurveRole = Literal["guard", "primary"]
+"""``Criteria.curve_role``: whether the loss curve can only FAIL a verdict ("guard") or must PASS too ("primary")."""
+CURVE_ROLES: tuple[str, ...] = literal_values(CurveRole)
+TestMethod = Literal["welch", "prediction", "exact"]
+"""How a ``WorseTest`` / ``MarginTest`` got its ``se``: Welch, the one-candidate prediction form, or exact."""
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -71,8 +80,7 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
 
     Non-finite values propagate into every average that contains them (a NaN is never smoothed away)."""
     x = np.asarray(values, dtype=np.float64)
-    if window < 1:
-        raise UsageError(f"window must be >= 1; got {window}")
+    check_int(window, "window", 1)
     if x.size == 0 or window == 1:
         return x.copy()
     bad = ~np.isfinite(x)
@@ -111,11 +119,11 @@ class WorseTest:
     t: float
     p: float
     """One-sided p-value of ``diff <= margin``; 0 or 1 in the zero-variance fall-back."""
-    method: str
+    method: TestMethod
     """"welch", "prediction" (one candidate seed) or "exact" (zero variance)."""
 
 
-def worse_test(base: np.ndarray, cand: np.ndarray, *, direction: str, margin: float) -> WorseTest:
+def worse_test(base: np.ndarray, cand: np.ndarray, *, direction: Direction, margin: float) -> WorseTest:
     """One-sided, margin-shifted Welch t test that ``cand`` is worse than ``base`` by more than ``margin``.
 
     ``base``: N >= 2 finite values; ``cand``: M >= 1 finite values; ``direction``: "min" (lower is better) or
@@ -125,10 +133,12 @@ def worse_test(base: np.ndarray, cand: np.ndarray, *, direction: str, margin: fl
     n, m = x.size, y.size
     if n < 2 or m < 1:
         raise UsageError(f"worse_test needs >= 2 baseline and >= 1 candidate values; got {n} and {m}")
+    check_literal(direction, "direction", Direction)
     sign = 1.0 if direction == "min" else -1.0
     diff = sign * (float(y.mean()) - float(x.mean()))
     vx = float(x.var(ddof=1))
     scale = max(float(np.abs(x).max()), float(np.abs(y).max()), 1e-300)
+    method: TestMethod
     if m == 1:
         se = math.sqrt(vx * (1.0 / n + 1.0))
         df, method = float(n - 1), "prediction"
@@ -148,9 +158,9 @@ def worse_test(base: np.ndarray, cand: np.ndarray, *, direction: str, margin: fl
     return WorseTest(diff=diff, margin=margin, se=se, df=df, t=t, p=p, method=method)
 
 
-Outcome = str
-"""``"pass"``, ``"fail"`` or ``"inconclusive"``."""
-OUTCOMES = ("pass", "fail", "inconclusive")
+Outcome = Literal["pass", "fail", "inconclusive"]
+"""The outcome of a test: ``"pass"``, ``"fail"`` or ``"inconclusive"``."""
+OUTCOMES: tuple[str, ...] = literal_values(Outcome)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,7 +172,7 @@ class MarginTest:
     margin: float
     se: float
     df: float
-    method: str
+    method: TestMethod
     """"welch", "prediction" (one candidate seed) or "exact" (zero variance)."""
     upper: float
     """One-sided ``1 - pass_alpha`` upper confidence bound of ``diff``: the candidate is at most this much worse."""
@@ -179,7 +189,7 @@ class MarginTest:
     """Smallest regression (``diff``) these seeds FAIL with the requested power: ``margin + (t + t_power) se``."""
 
 
-def margin_test(base: np.ndarray, cand: np.ndarray, *, direction: str, margin: float, pass_alpha: float,
+def margin_test(base: np.ndarray, cand: np.ndarray, *, direction: Direction, margin: float, pass_alpha: float,
                 fail_alpha: float, power: float = 0.8) -> MarginTest:
     """PASS / FAIL / INCONCLUSIVE of ``cand`` against ``base`` with a declared ``margin`` (module docstring).
 
@@ -187,7 +197,7 @@ def margin_test(base: np.ndarray, cand: np.ndarray, *, direction: str, margin: f
     comparison when every value is equal)."""
     w = worse_test(base, cand, direction=direction, margin=margin)
     if w.method == "exact":
-        out = "pass" if w.diff <= margin else "fail"
+        out: Outcome = "pass" if w.diff <= margin else "fail"
         return MarginTest(diff=w.diff, margin=margin, se=0.0, df=math.inf, method="exact", upper=w.diff,
                           lower=w.diff, p_worse=w.p, p_within=1.0 - w.p, outcome=out, passable=0.0,
                           detectable=margin)
@@ -195,7 +205,7 @@ def margin_test(base: np.ndarray, cand: np.ndarray, *, direction: str, margin: f
     tf = float(scipy.stats.t.ppf(1.0 - fail_alpha, w.df))
     tb = float(scipy.stats.t.ppf(power, w.df))
     upper, lower = w.diff + tp * w.se, w.diff - tf * w.se
-    outcome = "pass" if upper < margin else "fail" if lower > margin else "inconclusive"
+    outcome: Outcome = "pass" if upper < margin else "fail" if lower > margin else "inconclusive"
     return MarginTest(diff=w.diff, margin=margin, se=w.se, df=w.df, method=w.method, upper=upper, lower=lower,
                       p_worse=w.p, p_within=float(scipy.stats.t.cdf(w.t, w.df)), outcome=outcome,
                       passable=(tp + tb) * w.se, detectable=margin + (tf + tb) * w.se)
@@ -281,7 +291,7 @@ class Criteria:
     curve_margin_rel: float = 0.02
     """The curve's margin: how much higher than the baseline mean the candidates' mean smoothed loss may be, as a
     fraction of the baseline mean (2%), at each judged step."""
-    curve_role: str = "guard"
+    curve_role: CurveRole = "guard"
     """"guard": the curve can FAIL a verdict (evidence that the trajectory is worse than its margin) but need not
     show equivalence for a PASS, which rests on the final metrics; the smoothed training loss varies much more
     between seeds than a final eval metric (±11% against ±2% of the eval loss on mlp-digits), so with a few seeds
@@ -336,8 +346,7 @@ class Criteria:
         check_float(self.warmup_fraction, "criteria.warmup_fraction", 0.0, 0.9)
         check_float(self.curve_margin_rel, "criteria.curve_margin_rel", 0.0)
         check_float(self.curve_k, "criteria.curve_k", 0.0, open_lo=True)
-        if self.curve_role not in ("guard", "primary"):
-            raise UsageError(f"criteria.curve_role must be 'guard' or 'primary'; got {self.curve_role!r}")
+        check_literal(self.curve_role, "criteria.curve_role", CurveRole)
         check_float(self.curve_pool_fraction, "criteria.curve_pool_fraction", 0.0, 1.0)
         check_float(self.curve_max_outside, "criteria.curve_max_outside", 0.0, 1.0)
         check_float(self.metric_alpha, "criteria.metric_alpha", 0.0, 0.5, open_lo=True)

@@ -35,11 +35,15 @@ import dataclasses
 import math
 from typing import Literal
 
+from .._checks import check_bool, check_int, check_literal, check_str, literal_values
 from .._errors import UsageError
 
 Special = Literal["ieee", "fn", "fnuz", "finite"]
+"""Meaning of the top codes of a float format (module docstring)."""
 Kind = Literal["float", "int"]
-_SPECIALS = ("ieee", "fn", "fnuz", "finite")
+"""Float or two's-complement integer."""
+SPECIALS: tuple[str, ...] = literal_values(Special)
+KINDS: tuple[str, ...] = literal_values(Kind)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,22 +72,18 @@ class FormatSpec:
     """Integer formats only: value = code * 2^-frac_bits."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("float", "int"):
-            raise UsageError(f"FormatSpec.kind must be 'float' or 'int', got {self.kind!r}")
-        if self.special not in _SPECIALS:
-            raise UsageError(f"FormatSpec.special must be one of {_SPECIALS}, got {self.special!r}")
+        check_str(self.name, "FormatSpec.name")
+        check_literal(self.kind, "FormatSpec.kind", Kind)
+        check_literal(self.special, "FormatSpec.special", Special)
+        check_bool(self.signed, "FormatSpec.signed")
+        for field in ("ebits", "mbits", "bias", "frac_bits"):
+            check_int(getattr(self, field), f"FormatSpec.{field}")
         if self.kind == "int":
-            if not 2 <= self.mbits + 1 <= 24:
-                raise UsageError(f"integer format bits must be in [2, 24], got {self.mbits + 1}")
-            if not 0 <= self.frac_bits <= 24:
-                raise UsageError(f"FormatSpec.frac_bits must be in [0, 24], got {self.frac_bits}")
+            check_int(self.mbits + 1, "integer format bits (mbits + 1)", 2, 24)
+            check_int(self.frac_bits, "FormatSpec.frac_bits", 0, 24)
             return
-        if not 1 <= self.ebits <= 8:
-            raise UsageError(
-                f"FormatSpec.ebits must be in [1, 8] so values fit float32, got {self.ebits}"
-            )
-        if not 0 <= self.mbits <= 23:
-            raise UsageError(f"FormatSpec.mbits must be in [0, 23] so values fit float32, got {self.mbits}")
+        check_int(self.ebits, "FormatSpec.ebits", 1, 8, note="so values fit float32")
+        check_int(self.mbits, "FormatSpec.mbits", 0, 23, note="so values fit float32")
         if self.mbits == 0 and (self.signed or self.special != "fn"):
             raise UsageError(
                 "an exponent-only format (mbits=0) must be unsigned with special='fn' (like float8_e8m0fnu)"
@@ -125,8 +125,8 @@ class FormatSpec:
         accumulator keeping 13 mantissa bits with float32's range.
         """
         for field, v in (("ebits", ebits), ("mbits", mbits)):
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise UsageError(f"FormatSpec.custom: {field} must be an int, got {v!r}")
+            check_int(v, f"FormatSpec.custom: {field}")
+        check_literal(special, "FormatSpec.custom: special", Special)
         if bias is None:
             bias = (1 << (ebits - 1)) - 1 if ebits >= 1 else 0
         if mbits < 1:
@@ -141,6 +141,7 @@ class FormatSpec:
     @classmethod
     def integer(cls, bits: int, *, frac_bits: int = 0, name: str | None = None) -> FormatSpec:
         """A two's-complement integer format with ``bits`` bits and value ``code * 2^-frac_bits``."""
+        check_int(bits, "FormatSpec.integer: bits", 2, 24)
         return cls(
             name=name or (f"int{bits}" if frac_bits == 0 else f"int{bits}_f{frac_bits}"),
             ebits=0,

@@ -34,17 +34,20 @@ the tensor makes the tensor scale, and so the whole tensor, NaN.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from .. import formats
+from .._checks import check_bool, check_int, check_literal, check_positive_int, literal_values
 from .._errors import UsageError
 from ..formats import FormatSpec
-from ._validate import Rounding, check_bool, check_rounding
+from ._validate import Rounding, check_rounding
 
 Scaling = Literal["none", "tensor", "axis", "block", "tile"]
+"""Scale granularity of a ``QuantSpec`` (module docstring)."""
 ScaleRounding = Literal["floor", "ceil", "nearest"]
-_SCALINGS = get_args(Scaling)
-_SCALE_ROUNDINGS = get_args(ScaleRounding)
+"""Rounding of a scale into its scale format."""
+SCALINGS: tuple[str, ...] = literal_values(Scaling)
+SCALE_ROUNDINGS: tuple[str, ...] = literal_values(ScaleRounding)
 
 
 def _field_format(value: object, field: str) -> FormatSpec:
@@ -83,14 +86,10 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         elem = _field_format(self.elem, "elem")
-        if self.scaling not in _SCALINGS:
-            raise UsageError(f"QuantSpec.scaling must be one of {_SCALINGS}; got {self.scaling!r}")
-        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
-            raise UsageError(f"QuantSpec.axis must be an int; got {self.axis!r}")
+        check_literal(self.scaling, "QuantSpec.scaling", Scaling)
+        check_int(self.axis, "QuantSpec.axis")
         if self.scaling == "block":
-            bs = self.block_size
-            if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0:
-                raise UsageError(f"QuantSpec.block_size must be a positive int for scaling='block'; got {bs!r}")
+            check_positive_int(self.block_size, "QuantSpec.block_size", note="for scaling='block'")
         elif self.block_size is not None:
             raise UsageError(f"QuantSpec.block_size is only used with scaling='block'; got scaling={self.scaling!r}")
         if self.scaling == "tile":
@@ -103,12 +102,8 @@ class QuantSpec:
         sfmt = _field_format(self.scale_format, "scale_format")
         if sfmt.kind != "float":
             raise UsageError(f"QuantSpec.scale_format must be a float format; got {sfmt.name!r}")
-        if self.scale_rounding not in _SCALE_ROUNDINGS:
-            raise UsageError(
-                f"QuantSpec.scale_rounding must be one of {_SCALE_ROUNDINGS}; got {self.scale_rounding!r}"
-            )
-        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or abs(self.margin) > 64:
-            raise UsageError(f"QuantSpec.margin must be an int in [-64, 64]; got {self.margin!r}")
+        check_literal(self.scale_rounding, "QuantSpec.scale_rounding", ScaleRounding)
+        check_int(self.margin, "QuantSpec.margin", -64, 64)
         check_rounding(self.rounding, "QuantSpec.rounding")
         check_bool(self.saturate, "QuantSpec.saturate")
         check_bool(self.tensor_scale, "QuantSpec.tensor_scale")

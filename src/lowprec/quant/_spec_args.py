@@ -12,8 +12,9 @@ import dataclasses
 
 from .. import formats
 from .._errors import UsageError
-from ._spec import QuantSpec
+from ._spec import QuantSpec, Scaling
 from ._storage import has_torch_dtype
+from ._validate import check_rounding
 
 
 def _resolve(spec: object) -> QuantSpec:
@@ -24,7 +25,7 @@ def _resolve(spec: object) -> QuantSpec:
     return spec
 
 
-_SUPPORTED_SCALINGS = ("none", "tensor", "block")
+_SUPPORTED_SCALINGS: tuple[Scaling, ...] = ("none", "tensor", "block")
 
 
 def resolve_spec(spec: object, rounding: object = None) -> QuantSpec:
@@ -49,7 +50,7 @@ def resolve_spec(spec: object, rounding: object = None) -> QuantSpec:
     if not isinstance(spec, QuantSpec):
         raise UsageError(f"spec must be a QuantSpec or a spec/format name; got {type(spec).__name__}")
     if rounding is not None:
-        spec = dataclasses.replace(spec, rounding=rounding)  # type: ignore[arg-type]  # QuantSpec validates it
+        spec = dataclasses.replace(spec, rounding=check_rounding(rounding, "QuantSpec.rounding"))
     if spec.scaling not in _SUPPORTED_SCALINGS:
         raise UsageError(
             f"QuantSpec.scaling={spec.scaling!r} does not fit a gradient bucket (a flat 1-D buffer); use 'none', "

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal, cast
 
+from .._checks import check_bool, check_literal, literal_values
 from .._errors import UsageError
 
+__all__ = ["ROUNDINGS", "Rounding", "check_bool", "check_offset", "check_rounding", "check_seed"]
+
 Rounding = Literal["nearest", "stochastic", "toward_zero"]
-ROUNDINGS: tuple[str, ...] = get_args(Rounding)
+ROUNDINGS: tuple[str, ...] = literal_values(Rounding)
 _SEED_LIMIT = 1 << 64
 _COUNTER_LIMIT = 1 << 32
 
 
-def check_rounding(rounding: object, field: str = "rounding") -> str:
-    if rounding not in ROUNDINGS:
-        raise UsageError(f"{field} must be one of {', '.join(map(repr, ROUNDINGS))}; got {rounding!r}")
-    return str(rounding)
+def check_rounding(rounding: object, field: str = "rounding") -> Rounding:
+    """``rounding`` must be a ``Rounding`` ("nearest", "stochastic", "toward_zero"); ``check_literal``'s message."""
+    return cast(Rounding, check_literal(rounding, field, Rounding))
 
 
 def check_seed(seed: object) -> int | None:
@@ -40,8 +42,3 @@ def check_offset(offset: object, numel: int) -> int:
         )
     return offset
 
-
-def check_bool(value: object, field: str) -> bool:
-    if not isinstance(value, bool):
-        raise UsageError(f"{field} must be True or False; got {value!r}")
-    return value

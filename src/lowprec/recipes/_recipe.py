@@ -21,31 +21,27 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from .. import formats
+from .._checks import check_bool, check_finite, check_float, check_int, check_literal, check_positive, check_str
 from .._errors import UsageError
 from ..quant._spec import QuantSpec
 
 ScalingKind = Literal["current", "delayed"]
+"""``Scaling.kind``."""
 AmaxAlgorithm = Literal["max", "most_recent"]
+"""``Scaling.algorithm``."""
 WeightUpdate = Literal["master", "nearest", "stochastic", "kahan"]
+"""``Weights.update``."""
 LossScaleKind = Literal["none", "static", "dynamic"]
+"""``LossScaling.kind``."""
+AccumulatorRounding = Literal["nearest", "toward_zero"]
+"""``Accumulator.rounding``: rounding of each accumulation step."""
+WireRounding = Literal["nearest", "stochastic"]
+"""``GradComm.rounding``: rounding of gradients onto the wire."""
 
-
-def _choice(value: object, allowed: tuple[str, ...], field: str) -> None:
-    if value not in allowed:
-        raise UsageError(f"{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-
-
-def _int_in(value: object, lo: int, hi: int, field: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise UsageError(f"{field} must be an int in [{lo}, {hi}]; got {value!r}")
-
-
-def _positive(value: object, field: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise UsageError(f"{field} must be a positive number; got {value!r}")
+_MAX_INT = 1 << 30
 
 
 def _format_name(value: object, field: str) -> None:
@@ -69,9 +65,9 @@ class Scaling:
     """Delayed only: "max" over the history, or the "most_recent" amax."""
 
     def __post_init__(self) -> None:
-        _choice(self.kind, get_args(ScalingKind), "Scaling.kind")
-        _int_in(self.history_len, 1, 1 << 16, "Scaling.history_len")
-        _choice(self.algorithm, get_args(AmaxAlgorithm), "Scaling.algorithm")
+        check_literal(self.kind, "Scaling.kind", ScalingKind)
+        check_int(self.history_len, "Scaling.history_len", 1, 1 << 16)
+        check_literal(self.algorithm, "Scaling.algorithm", AmaxAlgorithm)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,14 +101,14 @@ class Accumulator:
     """Accumulator format name (e.g. a custom e8m13), or None for float32."""
     chunk: int | None = None
     """Promote to float32 every ``chunk`` products (None: never)."""
-    rounding: Literal["nearest", "toward_zero"] = "nearest"
+    rounding: AccumulatorRounding = "nearest"
     """Rounding of each accumulation step into ``format``."""
 
     def __post_init__(self) -> None:
         _format_name(self.format, "Accumulator.format")
         if self.chunk is not None:
-            _int_in(self.chunk, 1, 1 << 30, "Accumulator.chunk")
-        _choice(self.rounding, ("nearest", "toward_zero"), "Accumulator.rounding")
+            check_int(self.chunk, "Accumulator.chunk", 1, _MAX_INT)
+        check_literal(self.rounding, "Accumulator.rounding", AccumulatorRounding)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -193,13 +189,11 @@ class LossScaling:
     """Dynamic: grow the scale after this many consecutive finite steps."""
 
     def __post_init__(self) -> None:
-        _choice(self.kind, get_args(LossScaleKind), "LossScaling.kind")
-        _positive(self.init_scale, "LossScaling.init_scale")
-        if not isinstance(self.growth_factor, (int, float)) or not self.growth_factor >= 1:
-            raise UsageError(f"LossScaling.growth_factor must be >= 1; got {self.growth_factor!r}")
-        if not isinstance(self.backoff_factor, (int, float)) or not 0 < self.backoff_factor < 1:
-            raise UsageError(f"LossScaling.backoff_factor must be in (0, 1); got {self.backoff_factor!r}")
-        _int_in(self.growth_interval, 1, 1 << 30, "LossScaling.growth_interval")
+        check_literal(self.kind, "LossScaling.kind", LossScaleKind)
+        check_positive(self.init_scale, "LossScaling.init_scale")
+        check_float(self.growth_factor, "LossScaling.growth_factor", 1.0)
+        check_float(self.backoff_factor, "LossScaling.backoff_factor", 0.0, 1.0, open_lo=True, open_hi=True)
+        check_int(self.growth_interval, "LossScaling.growth_interval", 1, _MAX_INT)
         for field in ("init_scale", "growth_factor", "backoff_factor"):  # 2 and 2.0: one recipe, one hash
             object.__setattr__(self, field, float(getattr(self, field)))
 
@@ -215,7 +209,7 @@ class Weights:
     """Storage format of the weights when ``update`` is not "master"."""
 
     def __post_init__(self) -> None:
-        _choice(self.update, get_args(WeightUpdate), "Weights.update")
+        check_literal(self.update, "Weights.update", WeightUpdate)
         _format_name(self.format, "Weights.format")
         if self.update != "master" and self.format == "float32":
             raise UsageError(
@@ -242,7 +236,7 @@ class GradComm:
     spec: QuantSpec
     """Wire format: e.g. bf16 (``{elem = "bfloat16"}``), fp8 with one shared scale per bucket
     ("fp8_e4m3_tensorwise"), or an MX block format ("mxfp8_e4m3")."""
-    rounding: str | None = None
+    rounding: WireRounding | None = None
     """"nearest" or "stochastic" (None: the spec's own rounding)."""
     error_feedback: bool = False
     """Add each rank's cast residual to its next gradient."""
@@ -251,9 +245,8 @@ class GradComm:
         if not isinstance(self.spec, QuantSpec):
             raise UsageError(f"GradComm.spec must be a QuantSpec or a spec name; got {self.spec!r}")
         if self.rounding is not None:
-            _choice(self.rounding, ("nearest", "stochastic"), "GradComm.rounding")
-        if not isinstance(self.error_feedback, bool):
-            raise UsageError(f"GradComm.error_feedback must be true or false; got {self.error_feedback!r}")
+            check_literal(self.rounding, "GradComm.rounding", WireRounding)
+        check_bool(self.error_feedback, "GradComm.error_feedback")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -278,18 +271,15 @@ class Fallback:
     def __post_init__(self) -> None:
         for field in ("underflow_pct", "overflow_pct"):
             v = getattr(self, field)
-            if v is not None:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 100:
-                    raise UsageError(f"Fallback.{field} must be a percentage in [0, 100) or None; got {v!r}")
-                object.__setattr__(self, field, float(v))  # 50 and 50.0: one recipe, one hash
+            if v is not None:  # 50 and 50.0: one recipe, one hash
+                pct = check_float(v, f"Fallback.{field}", 0.0, 100.0, open_hi=True, note="(a percentage) or None")
+                object.__setattr__(self, field, pct)
         if self.sqnr_db is not None:
-            v = self.sqnr_db
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), -float("inf")):
-                raise UsageError(f"Fallback.sqnr_db must be a finite number of dB or None; got {v!r}")
-            object.__setattr__(self, "sqnr_db", float(v))
+            db = check_finite(self.sqnr_db, "Fallback.sqnr_db", note="(dB) or None")
+            object.__setattr__(self, "sqnr_db", db)
         if self.underflow_pct is None and self.overflow_pct is None and self.sqnr_db is None:
             raise UsageError("Fallback needs a threshold: set underflow_pct, overflow_pct or sqnr_db")
-        _int_in(self.patience, 1, 1 << 30, "Fallback.patience")
+        check_int(self.patience, "Fallback.patience", 1, _MAX_INT)
         if isinstance(self.to, str):
             from ._named import names
 
@@ -332,8 +322,7 @@ class Recipe:
     """Opt-in automatic per-layer fallback to a higher-precision recipe (None: off; left out of the hash then)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise UsageError(f"Recipe.name must be a non-empty string; got {self.name!r}")
+        check_str(self.name, "Recipe.name")
         if not isinstance(self.overrides, tuple):
             raise UsageError(
                 f"Recipe.overrides must be a tuple of (pattern, LinearRecipe) pairs; got {self.overrides!r}"
@@ -346,7 +335,7 @@ class Recipe:
             value = getattr(self, field)
             if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
                 raise UsageError(f"Recipe.{field} must be a tuple of strings; got {value!r}")
-        _int_in(self.seed, 0, (1 << 63) - 1, "Recipe.seed")
+        check_int(self.seed, "Recipe.seed", 0, (1 << 63) - 1)
         if self.fallback is not None and not isinstance(self.fallback, Fallback):
             raise UsageError(f"Recipe.fallback must be a Fallback or None; got {type(self.fallback).__name__}")
 
