@@ -1,6 +1,8 @@
 """``jax_train``: the runner's training loop in JAX (``framework = "jax"`` in a run config), recorded in the same
 run store, under the same scalar names and with a manifest, so a JAX run is judged against a PyTorch baseline.
-The models' JAX forms are in ``_jax_models``; this module is the loop, the optimizer and the checkpoints.
+The models' JAX forms are in ``_jax_models``; this module is the step, the optimizer and the checkpoints, and
+``_lifecycle`` (shared with the PyTorch runner) resolves the config, creates or resumes the run, drives the loop's
+cadence and records, and finishes or fails it.
 
 What is shared with the PyTorch side, so that the two frameworks train the same experiment:
 
@@ -58,10 +60,8 @@ from ..recipes import Recipe
 from ._checkpoint import checkpoint_digest, checkpoint_dir, load_checkpoint, save_checkpoint
 from ._config import OptimizerConfig, RunConfig
 from ._jax_models import Plan, cross_entropy, forward, initial_params, initial_states, model_plan
-from ._manifest import build_manifest
-from ._progress import Progress
-from ._resume import RECORDS_KEY, Candidate, check_resumable, choose, record_checkpoint
-from ._runner import build_task, diverged_line
+from ._lifecycle import ResolvedConfig, RunLifecycle, build_task, resolve_for_task, run_manifest, warn_resume
+from ._resume import Candidate, check_resumable, choose, record_checkpoint
 from ._store import RunStore
 from .zoo import Task
 
@@ -148,16 +148,12 @@ def _check(config: RunConfig) -> None:
         raise UsageError("[stats] every is not implemented for framework = \"jax\"; remove it or use torch")
 
 
-def jax_manifest(config: RunConfig, task: Task, seed: int) -> dict[str, Any]:
-    """``build_manifest`` plus ``framework = "jax"``, the jax/jaxlib/optax versions and the XLA backend."""
-    m = build_manifest(seed=seed, recipe_hash=config.recipe.hash(), data_hash=task.data_hash,
-                       data_source=task.data_source, metrics=task.metrics, device=jax.devices()[0].platform)
-    m["framework"] = "jax"
+def jax_manifest(r: ResolvedConfig, task: Task) -> dict[str, Any]:
+    """``run_manifest`` plus ``framework = "jax"``, the jax/jaxlib/optax versions and the XLA backend."""
+    m = run_manifest(r, task, device=jax.devices()[0].platform, world_size=1, extra={"framework": "jax"})
     m["versions"].update({k: importlib.metadata.version(k) for k in ("jax", "jaxlib", "optax")})
     m["hardware"]["jax_backend"] = jax.default_backend()
     m["hardware"]["jax_device"] = str(jax.devices()[0].device_kind)
-    m["world_size"] = 1
-    m[RECORDS_KEY] = True
     return m
 
 
@@ -193,17 +189,18 @@ def _unpack(packed: dict[str, Any], like: TrainState, where: str) -> TrainState:
         for b, leaf, (_, shape) in zip(packed["bytes"], leaves, got, strict=True)])
 
 
-def _save(config: RunConfig, run_id: str, step: int, tree: TrainState, store: RunStore) -> None:
-    state = {"framework": "jax", "run_id": run_id, "step": step, "config": config.to_dict(), "world_size": 1,
+def _save(r: ResolvedConfig, run_id: str, step: int, tree: TrainState, store: RunStore) -> None:
+    state = {"framework": "jax", "run_id": run_id, "step": step, "config": r.config.to_dict(), "world_size": 1,
              "jax_state": _pack(tree)}
-    path = save_checkpoint(checkpoint_dir(store.path, run_id), step, state, keep=config.checkpoint.keep)
+    path = save_checkpoint(checkpoint_dir(store.path, run_id), step, state, keep=r.checkpoint_keep)
     record_checkpoint(store, run_id, step, "file", checkpoint_digest(path))
 
 
-def _restore(run_id: str, store: RunStore, like: TrainState, *, allow_restart: bool) -> tuple[int, TrainState]:
+def _restore(life: RunLifecycle, run_id: str, like: TrainState, *, allow_restart: bool) -> tuple[int, TrainState]:
     """Where run ``run_id`` continues, by the PyTorch runner's rules (``_resume``): ``(step, state)`` of its newest
     usable checkpoint (``(0, like)`` when it wrote none), and the store reopened from that step with a "resumed"
     event."""
+    store = life.store
     record = store.get_run(run_id)
     framework = record.manifest.get("framework", "torch")
     if framework != "jax" or record.config.get("framework", "torch") != "jax":
@@ -225,16 +222,10 @@ def _restore(run_id: str, store: RunStore, like: TrainState, *, allow_restart: b
         return _unpack(state["jax_state"], like, where)
 
     point = choose(store, record, checkpoint_dir(store.path, run_id), usable, allow_restart=allow_restart)
-    for p in point.problems:
-        print(f"lowprec: warning: skipping {p}")
-    if point.discarded:
-        print(f"lowprec: warning: run {run_id} starts over from step 0; its {point.discarded} recorded steps are "
-              "deleted")
+    warn_resume(run_id, point.problems, point.discarded)
     step, tree = (point.step, point.loaded) if point.candidate is not None else (0, like)
-    store.reopen_run(run_id, from_step=step)
-    store.add_event(run_id, step=step, kind="resumed", payload={
-        "from_step": step, "world_size": 1, "checkpoint_world_size": 1 if step else None,
-        "checkpoint": "file" if step else "none", "skipped": point.problems, "discarded_steps": point.discarded})
+    life.resumed(run_id, step, world_size=1, checkpoint_world_size=1 if step else None,
+                 checkpoint="file" if step else "none", skipped=point.problems, discarded_steps=point.discarded)
     return step, tree
 
 
@@ -250,39 +241,34 @@ _ANNOUNCED: set[int] = set()
 """``id`` of each ``_compile`` result whose first-step compilation was announced (they live in its cache)."""
 
 
-def _loop(config: RunConfig, task: Task, fns: _Compiled, rid: str, store: RunStore, tree: TrainState, step: int,
-          bar: Progress) -> bool:
-    """Train from ``step`` (the state ``tree`` after it) to ``config.steps``, logging and checkpointing; True when
-    the run diverged (stopped at a non-finite loss or gradient norm)."""
-    params, states, opt_state = tree
-    steps, every, lr0 = config.steps or 0, config.eval_interval or 1, config.optimizer.lr or 0.0
-    interval = config.checkpoint.interval
-    if step < steps and id(fns) not in _ANNOUNCED:  # XLA compiles the step on its first call: say so, once
+def _loop(life: RunLifecycle, task: Task, fns: _Compiled, tree: TrainState) -> bool:
+    """Train from ``life.step`` (the state ``tree`` after it) to ``steps`` through ``life.drive``, logging and
+    checkpointing; True when the run diverged (stopped at a non-finite loss or gradient norm)."""
+    r = life.r
+    state = list(tree)  # (params, states, opt_state), advanced by each step
+    if life.step < r.steps and id(fns) not in _ANNOUNCED:  # XLA compiles the step on its first call: say so, once
         _ANNOUNCED.add(id(fns))
-        bar.note("compiling the JAX step (first step)...")
-    while step < steps:
-        lr = config.schedule.lr_at(step, lr=lr0, steps=steps)
+        life.bar.note("compiling the JAX step (first step)...")
+
+    def step_fn(step: int) -> tuple[dict[str, float], None, bool]:
+        lr = r.lr_at(step)
         t0 = time.perf_counter()
         x, y = _np_batch(task, step)
         params, states, opt_state, loss, norm = fns.step(
-            params, states, opt_state, x, y, jnp.int32(step + 1), jnp.float32(lr), fns.opt.step_keys(step))
+            *state, x, y, jnp.int32(step + 1), jnp.float32(lr), fns.opt.step_keys(step))
+        state[:] = params, states, opt_state
         loss_f, norm_f = float(loss), float(norm)  # blocks until the step is done
         values = _step_values(task, loss_f, norm_f, lr, time.perf_counter() - t0)
-        step += 1
-        diverged = not (math.isfinite(loss_f) and math.isfinite(norm_f))
-        if step % every == 0 or step == steps or diverged:
-            metrics = task.evaluate(_JaxModule(_logits_at(fns, params, states, step)))
-            values.update({f"eval/{m}": float(v) for m, v in metrics.items()})
-        store.log_scalars(rid, step, values)
-        bar.update(step, loss=loss_f)
-        if diverged:
-            store.add_event(rid, step=step, kind="diverged", payload={"loss": repr(loss_f), "grad_norm": repr(norm_f)})
-            _save(config, rid, step, (params, states, opt_state), store)
-            return True
-        if interval and step % interval == 0 and step < steps:
-            _save(config, rid, step, (params, states, opt_state), store)
-    _save(config, rid, step, (params, states, opt_state), store)
-    return False
+        return values, None, not (math.isfinite(loss_f) and math.isfinite(norm_f))
+
+    def evaluate(step: int) -> dict[str, float]:
+        metrics = task.evaluate(_JaxModule(_logits_at(fns, state[0], state[1], step)))
+        return {f"eval/{m}": float(v) for m, v in metrics.items()}
+
+    def save(step: int) -> None:
+        _save(r, life.run_id, step, (state[0], state[1], state[2]), life.store)
+
+    return life.drive(step_fn, evaluate=evaluate, save=save)
 
 
 def _np_batch(task: Task, step: int) -> tuple[jax.Array, jax.Array]:
@@ -306,29 +292,19 @@ def jax_train(config: RunConfig, *, seed: int, store: RunStore, resume: str | No
     if config.threads:
         torch.set_num_threads(config.threads)
     task = build_task(config, seed)
-    config = config.for_seed(seed).resolve({**task.defaults, "batch_size": task.samples_per_step})
-    plan = model_plan(task.model, config.recipe)
-    fns = _compile(plan, config.recipe.to_json(), dataclasses.replace(config.optimizer, lr=None))
+    r = resolve_for_task(config, task, seed)
+    plan = model_plan(task.model, r.config.recipe)
+    fns = _compile(plan, r.config.recipe.to_json(), dataclasses.replace(r.config.optimizer, lr=None))
     params = fns.opt.to_storage(initial_params(task.model))
     tree: TrainState = (params, initial_states(plan), fns.opt.init(params))
+    life = RunLifecycle(r, store, progress=progress)
     step = 0
     if resume is not None:
         rid = store.get_run(resume).run_id
-        step, tree = _restore(rid, store, tree, allow_restart=allow_restart)
+        step, tree = _restore(life, rid, tree, allow_restart=allow_restart)
     else:
-        rid = store.create_run(name=f"{config.label} seed {seed}", config=config.to_dict(),
-                               manifest=jax_manifest(config, task, seed), group=config.group or config.label,
-                               run_id=run_id)
-    bar = Progress(f"{config.label} seed {seed}", config.steps or 0, start=step, enabled=progress)
-    try:
-        diverged = _loop(config, task, fns, rid, store, tree, step, bar)
-    except BaseException as e:
-        reason = "interrupted (KeyboardInterrupt)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
-        store.finish_run(rid, status="failed", error=reason)
-        raise
-    finally:
-        bar.close()
-    store.finish_run(rid, status="diverged" if diverged else "completed")
-    if diverged and progress:
-        print(diverged_line(store, rid), flush=True)
+        rid = life.create(jax_manifest(r, task), run_id=run_id)
+    with life.running(rid, step):
+        diverged = _loop(life, task, fns, tree)
+    life.finish(diverged=diverged)
     return rid

@@ -27,6 +27,10 @@ samples the tensor statistics (``[stats] every``, or ``FALLBACK_EVERY``) and mov
 the policy's thresholds to the higher-precision ``LinearRecipe``, with a ``fallback`` event; the decisions and
 running counts travel in checkpoints, so a resumed run repeats the same fallbacks at the same steps.  An exception
 or Ctrl-C marks the run as failed with the reason, and re-raises.
+
+What is not PyTorch (resolving the config, creating or resuming the store run, which steps evaluate and save,
+the records, finishing or failing) is ``_lifecycle``'s, shared with the JAX runner; ``train`` is the one place
+that dispatches by framework, importing ``_jax_runner`` (and jax) only for ``framework = "jax"``.
 """
 
 from __future__ import annotations
@@ -47,20 +51,15 @@ from ..nn import EmulatedLinear, convert
 from ..optim import LowPrecisionOptimizer
 from ._checkpoint import checkpoint_digest, checkpoint_dir, load_checkpoint, save_checkpoint
 from ._config import RunConfig
-from ._manifest import build_manifest
+from ._lifecycle import ResolvedConfig, RunLifecycle, import_dir, resolve, resolve_for_task, run_manifest, warn_resume
+from ._lifecycle import build_task as build_task  # re-exported: lowprec.runs, the CLI and the seeds helpers use it
 from ._parallel import World, Wrapped, resolve_device, unwrap, world_device, wrap_model
-from ._progress import Progress
-from ._resume import RECORDS_KEY, Candidate, ResumePoint, check_resumable, choose, record_checkpoint
+from ._resume import Candidate, ResumePoint, check_resumable, choose, record_checkpoint
 from ._store import RunRecord, RunStore
-from .zoo import Task, batch_loss, get_task, to_device
+from .zoo import Task, batch_loss, to_device
 
 SHARDED = ("fsdp2", "hsdp")
 """Layouts whose checkpoints are sharded (torch.distributed.checkpoint)."""
-
-
-FALLBACK_EVERY = 50
-"""Sampling interval of the statistics a recipe's ``fallback`` policy reads when ``[stats] every`` is unset (the
-observer's cost at 50 is a few % of step time; see docs/numerics.md)."""
 
 
 def _check_fallback(config: RunConfig, world: World | None = None) -> None:
@@ -71,36 +70,21 @@ def _check_fallback(config: RunConfig, world: World | None = None) -> None:
                          f"\"single\", or remove the recipe's fallback")
 
 
-def import_dir(config: RunConfig) -> str | None:
-    """The folder a ``"module:function"`` model is also looked for in: the config file's (``config_dir``), or in a
-    torchrun worker the one its launcher passed (``_launch.CONFIG_DIR_ENV``)."""
-    from ._launch import CONFIG_DIR_ENV
-
-    return config.config_dir or os.environ.get(CONFIG_DIR_ENV) or None
-
-
-def build_task(config: RunConfig, seed: int) -> Task:
-    """The config's task for ``seed`` (a zoo name, or an entry point ``package.module:function``, looked for on
-    ``sys.path`` and in the config's folder)."""
-    return get_task(config.model, seed=seed, batch_size=config.batch_size, import_dir=import_dir(config),
-                    **config.model_options)
-
-
-def make_optimizer(config: RunConfig, model: torch.nn.Module) -> LowPrecisionOptimizer:
+def make_optimizer(r: ResolvedConfig, model: torch.nn.Module) -> LowPrecisionOptimizer:
     """The torch optimizer the config names, wrapped with the recipe's weight/state/loss-scaling policy."""
-    o = config.optimizer
-    assert o.lr is not None, "resolve() the config first"
+    o = r.config.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     inner: torch.optim.Optimizer
-    if o.name == "sgd":
-        inner = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    if r.optimizer == "sgd":
+        inner = torch.optim.SGD(params, lr=r.lr, momentum=o.momentum, weight_decay=o.weight_decay)
     else:
-        inner = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    return LowPrecisionOptimizer(inner, config.recipe)
+        inner = torch.optim.AdamW(params, lr=r.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return LowPrecisionOptimizer(inner, r.config.recipe)
 
 
-def _grad_norm_and_clip(params: list[torch.Tensor], scale: float, clip: float | None) -> float:
-    """Global L2 norm of the gradients divided by the loss scale; clip them (still scaled) to ``clip``."""
+def _grad_norm_and_clip(params: list[torch.Tensor], scale: float, clip: float) -> float:
+    """Global L2 norm of the gradients divided by the loss scale; clip them (still scaled) to ``clip`` (0: no
+    clipping)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
@@ -127,8 +111,8 @@ class _State:
     fallback: Any = None
     """``lowprec.numerics.FallbackController`` when the recipe has a ``fallback`` policy (on every rank: rank 0
     decides from its statistics and every replica applies the decision)."""
-    sample_every: int | None = None
-    """The statistics' sampling interval (steps ``s`` with ``s % sample_every == 0`` are sampled)."""
+    sample_every: int = 0
+    """The statistics' sampling interval (steps ``s`` with ``s % sample_every == 0`` are sampled; 0: off)."""
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     """Where the model and every batch live (``world_device``)."""
 
@@ -156,17 +140,17 @@ def _load_full_state(st: _State, model_sd: dict[str, Any], opt_sd: dict[str, Any
 
 
 
-def _checkpoint(config: RunConfig, run_id: str, st: _State, store: RunStore) -> None:
+def _checkpoint(r: ResolvedConfig, run_id: str, st: _State, store: RunStore) -> None:
     """Single/DDP: rank 0 saves the full state (replicas are identical) in one checksummed file.  FSDP2/HSDP: every
     rank saves its shards with torch.distributed.checkpoint.  Either kind resumes on any world size and layout.
     The files go next to the store that holds the run, and rank 0 records each one's digest in it (``_resume``)."""
     directory = checkpoint_dir(store.path, run_id)
-    extra = {"run_id": run_id, "step": st.step, "torch_rng": torch.get_rng_state(), "config": config.to_dict(),
+    extra = {"run_id": run_id, "step": st.step, "torch_rng": torch.get_rng_state(), "config": r.config.to_dict(),
              "world_size": st.world.size, "fallback": st.fallback.state_dict() if st.fallback is not None else None}
     if st.world.strategy in SHARDED:
         from ._dcp import manifest_digest, save_sharded
 
-        path = save_sharded(directory, st.step, st.model, st.optimizer, extra, keep=config.checkpoint.keep,
+        path = save_sharded(directory, st.step, st.model, st.optimizer, extra, keep=r.checkpoint_keep,
                             is_main=st.world.is_main)
         if st.world.is_main:
             record_checkpoint(store, run_id, st.step, "sharded", manifest_digest(path))
@@ -174,7 +158,7 @@ def _checkpoint(config: RunConfig, run_id: str, st: _State, store: RunStore) -> 
     model_sd, opt_sd = _full_state(st)
     if st.world.is_main:
         path = save_checkpoint(directory, st.step, {**extra, "model": model_sd, "optimizer": opt_sd},
-                               keep=config.checkpoint.keep)
+                               keep=r.checkpoint_keep)
         record_checkpoint(store, run_id, st.step, "file", checkpoint_digest(path))
 
 
@@ -239,11 +223,12 @@ def _pick(st: _State, store: RunStore, record: RunRecord, directory: Path, *,
     return point
 
 
-def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore, *, allow_restart: bool) -> None:
+def _restore(life: RunLifecycle, run_id: str, st: _State, *, allow_restart: bool) -> None:
     """Continue ``run_id`` where ``_resume.choose`` says (rank 0 decides; every rank loads), reopen it in the
     store from that step and record a "resumed" event."""
     from ._dcp import load_sharded
 
+    store = life.store
     directory = checkpoint_dir(store.path, run_id)
     picked: Any = None
     loaded: Any = None
@@ -258,10 +243,8 @@ def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore, *, all
     if isinstance(picked, str):  # every rank raises the same error
         raise UsageError(picked)
     step, kind, path, problems, discarded = picked
-    for p in problems if st.world.is_main else []:
-        print(f"lowprec: warning: skipping {p}")
-    if discarded and st.world.is_main:
-        print(f"lowprec: warning: run {run_id} starts over from step 0; its {discarded} recorded steps are deleted")
+    if st.world.is_main:
+        warn_resume(run_id, problems, discarded)
     state: dict[str, Any] | None = None
     if kind == "file":
         if st.world.is_main and st.world.strategy not in SHARDED:
@@ -277,11 +260,8 @@ def _restore(config: RunConfig, run_id: str, st: _State, store: RunStore, *, all
     if state is not None:
         st.step = int(state["step"])
     if st.world.is_main:
-        store.reopen_run(run_id, from_step=st.step)
-        store.add_event(run_id, step=st.step, kind="resumed",
-                        payload={"from_step": st.step, "world_size": st.world.size,
-                                 "checkpoint_world_size": (state or {}).get("world_size"),
-                                 "checkpoint": kind, "skipped": list(problems), "discarded_steps": discarded})
+        life.resumed(run_id, st.step, world_size=st.world.size, checkpoint_world_size=(state or {}).get("world_size"),
+                     checkpoint=kind, skipped=list(problems), discarded_steps=discarded)
 
 
 def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
@@ -292,7 +272,7 @@ def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
     return {f"eval/{k}": float(v) for k, v in metrics.items()}
 
 
-def _forward_backward(task: Task, st: _State, config: RunConfig, batch: int, *,
+def _forward_backward(task: Task, st: _State, r: ResolvedConfig, batch: int, *,
                       replay: bool = False) -> tuple[torch.Tensor, float]:
     """Forward and backward of batch ``batch`` (0-based), gradient norm and clipping: (local loss, norm).
 
@@ -307,7 +287,7 @@ def _forward_backward(task: Task, st: _State, config: RunConfig, batch: int, *,
     if not replay:
         st.wrapped.after_backward()
     params = [p for g in st.optimizer.param_groups for p in g["params"]]
-    return loss, _grad_norm_and_clip(params, st.optimizer.scaler.scale, config.optimizer.grad_clip)
+    return loss, _grad_norm_and_clip(params, st.optimizer.scaler.scale, r.grad_clip)
 
 
 class _Snapshot:
@@ -346,7 +326,7 @@ def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def _replay(task: Task, st: _State, config: RunConfig, snap: _Snapshot, loss: float, norm: float) -> dict[str, Any]:
+def _replay(task: Task, st: _State, r: ResolvedConfig, snap: _Snapshot, loss: float, norm: float) -> dict[str, Any]:
     """Restore the step's start (``snap``; parameters and optimizer state are untouched before the optimizer step)
     and run it again under ``localize_nonfinite``: the "nonfinite" event payload of this rank.  Afterwards the
     original step's gradients, buffers and random state are put back, so the replay changes nothing that follows.
@@ -366,7 +346,7 @@ def _replay(task: Task, st: _State, config: RunConfig, snap: _Snapshot, loss: fl
     got: list[tuple[torch.Tensor, float]] = []
 
     def run_step() -> torch.Tensor:
-        got.append(_forward_backward(task, st, config, st.step, replay=True))
+        got.append(_forward_backward(task, st, r, st.step, replay=True))
         return got[-1][0]
 
     try:
@@ -404,7 +384,7 @@ def _gather_localizations(world: World, payload: dict[str, Any]) -> dict[str, An
     return {**best, "world_size": world.size, "ranks": {str(p["rank"]): describe_payload(p) for p in found}}
 
 
-def _train_step(task: Task, st: _State, config: RunConfig, lr: float) -> tuple[dict[str, float], dict | None]:
+def _train_step(task: Task, st: _State, r: ResolvedConfig, lr: float) -> tuple[dict[str, float], dict | None]:
     """One optimizer step: (scalars to log, None or the "nonfinite" payload when the loss or gradient norm is
     non-finite)."""
     t0 = time.perf_counter()
@@ -414,7 +394,7 @@ def _train_step(task: Task, st: _State, config: RunConfig, lr: float) -> tuple[d
         st.observer.step(st.step)
     snap = st.snapshot
     snap.take(unwrap(st.model))
-    loss, norm = _forward_backward(task, st, config, st.step)
+    loss, norm = _forward_backward(task, st, r, st.step)
     global_loss = st.world.mean(loss)
     comm = None if st.wrapped.comm_bytes is None else float(st.wrapped.comm_bytes())
     bad: dict[str, Any] | None = None
@@ -423,7 +403,7 @@ def _train_step(task: Task, st: _State, config: RunConfig, lr: float) -> tuple[d
     # all-reduced (DDP) or sharded (FSDP2) gradients
     if not math.isfinite(global_loss) or (not math.isfinite(norm) and not st.optimizer.scaler.enabled):
         t1 = time.perf_counter()
-        bad = _gather_localizations(st.world, _replay(task, st, config, snap, float(loss.detach()), norm))
+        bad = _gather_localizations(st.world, _replay(task, st, r, snap, float(loss.detach()), norm))
         if st.wrapped.comm_bytes is not None:
             st.wrapped.comm_bytes()  # drop what the replay's all-gathers added (FSDP2)
         replay_s = time.perf_counter() - t1
@@ -446,61 +426,29 @@ def _share_fallbacks(st: _State) -> None:
         st.fallback.apply(decided)
 
 
-def _loop(task: Task, st: _State, config: RunConfig, store: RunStore, run_id: str, progress: Progress) -> bool:
-    """Train to ``config.steps``; True when the run diverged (stopped at a non-finite loss or gradient norm)."""
-    steps, every = config.steps or 0, config.eval_interval or 1
-    interval, main = config.checkpoint.interval, st.world.is_main
-    while st.step < steps:
-        values, bad = _train_step(task, st, config, config.schedule.lr_at(st.step, lr=config.optimizer.lr or 0.0,
-                                                                          steps=steps))
+def _loop(task: Task, st: _State, life: RunLifecycle) -> bool:
+    """Train to ``steps`` through ``life.drive``; True when the run diverged (stopped at a non-finite loss or
+    gradient norm)."""
+    r, store = life.r, life.store
+
+    def step_fn(step: int) -> tuple[dict[str, float], dict[str, Any] | None, bool]:
+        values, bad = _train_step(task, st, r, r.lr_at(step))
         st.step += 1
-        diverged = bad is not None
-        if st.step % every == 0 or st.step == steps or diverged:
-            values.update(_evaluate(task, unwrap(st.model)))
-        if main:
-            for s, stats in (st.observer.pop_scalars() if st.observer is not None else {}).items():
-                if s + 1 == st.step:  # stats of the batch this step trained on: logged with its loss
-                    values.update(stats)
-                else:
-                    store.log_scalars(run_id, s + 1, stats)
-                for event in st.fallback.update(s + 1, stats) if st.fallback is not None else []:
-                    store.add_event(run_id, step=st.step, kind="fallback",
-                                    payload={**event, "applies_from_step": st.step + 1})
-            store.log_scalars(run_id, st.step, values)
-            progress.update(st.step, loss=values["train/loss"])
-        _share_fallbacks(st)
-        if diverged:
-            if main and bad:
-                store.add_event(run_id, step=st.step, kind="nonfinite", payload=bad)
-            if main:
-                store.add_event(run_id, step=st.step, kind="diverged",
-                                payload={"loss": repr(values["train/loss"]),
-                                         "grad_norm": repr(values["train/grad_norm"])})
-            _checkpoint(config, run_id, st, store)
-            return True
-        if interval and st.step % interval == 0 and st.step < steps:
-            _checkpoint(config, run_id, st, store)
-    _checkpoint(config, run_id, st, store)
-    return False
+        return values, bad, bad is not None
 
+    def before_log(step: int, values: dict[str, float]) -> None:
+        for s, stats in (st.observer.pop_scalars() if st.observer is not None else {}).items():
+            if s + 1 == step:  # stats of the batch this step trained on: logged with its loss
+                values.update(stats)
+            else:
+                store.log_scalars(life.run_id, s + 1, stats)
+            for event in st.fallback.update(s + 1, stats) if st.fallback is not None else []:
+                store.add_event(life.run_id, step=step, kind="fallback",
+                                payload={**event, "applies_from_step": step + 1})
 
-def diverged_line(store: RunStore, run_id: str) -> str:
-    """What ``lowprec run`` prints at the end of a diverged run: the step, the non-finite values and, from the
-    run's "nonfinite" event, where the first non-finite value came from (module, tensor role, step)."""
-    from ..numerics._localize import describe_payload
-
-    events = store.events(run_id)
-    div = next((e for e in events if e["kind"] == "diverged"), None)
-    where = next((e for e in events if e["kind"] == "nonfinite"), None)
-    head = f"run {run_id} diverged" + ("" if div is None else
-                                       f" at step {div['step']} (loss {div['payload'].get('loss')}, grad norm "
-                                       f"{div['payload'].get('grad_norm')})")
-    if where is None:
-        return head + ": no localisation recorded (JAX runs, and a non-finite value outside the replayed step)"
-    try:
-        return head + ": first non-finite value in " + describe_payload(where["payload"])
-    except (KeyError, TypeError, ValueError) as e:
-        return head + f": its localisation event is unreadable ({type(e).__name__}: {e})"
+    return life.drive(step_fn, evaluate=lambda step: _evaluate(task, unwrap(st.model)),
+                      save=lambda step: _checkpoint(r, life.run_id, st, store), before_log=before_log,
+                      after_log=lambda step: _share_fallbacks(st))
 
 
 def _exists(store: RunStore, run_id: str) -> bool:
@@ -515,12 +463,12 @@ def _exists(store: RunStore, run_id: str) -> bool:
         raise
 
 
-def _open_run(config: RunConfig, task: Task, st: _State, store: RunStore, *, seed: int, resume: str | None,
-              run_id: str | None, allow_restart: bool) -> str:
+def _open_run(life: RunLifecycle, task: Task, st: _State, *, resume: str | None, run_id: str | None,
+              allow_restart: bool) -> str:
     """Create the run (rank 0), or continue it from its newest usable checkpoint when resuming or when a restarted
     torchrun worker group finds its run already in the store.  Every rank returns the same run id (a refusal on
     rank 0 is raised on every rank)."""
-    w = st.world
+    w, store = st.world, life.store
     if resume is not None:
         opened: Any = None
         if w.is_main:
@@ -547,16 +495,11 @@ def _open_run(config: RunConfig, task: Task, st: _State, store: RunStore, *, see
         allow_restart = allow_restart or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     rid, create = w.broadcast((rid, create))
     if create and w.is_main:
-        manifest = build_manifest(seed=seed, recipe_hash=config.recipe.hash(), data_hash=task.data_hash,
-                                  data_source=task.data_source, metrics=task.metrics, device=st.device.type,
-                                  config_dir=import_dir(config))
-        manifest["world_size"] = w.size
-        manifest[RECORDS_KEY] = True
-        rid = store.create_run(name=f"{config.label} seed {seed}", config=config.to_dict(), manifest=manifest,
-                               group=config.group or config.label, run_id=rid)
+        rid = life.create(run_manifest(life.r, task, device=st.device.type, world_size=w.size,
+                                       config_dir=import_dir(life.r.config)), run_id=rid)
     rid = w.broadcast(rid)
     if not create:
-        _restore(config, rid, st, store, allow_restart=allow_restart)
+        _restore(life, rid, st, allow_restart=allow_restart)
     w.barrier()
     return str(rid)
 
@@ -599,43 +542,31 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
     if config.threads:
         torch.set_num_threads(config.threads)
     task = build_task(config, seed)
-    config = config.for_seed(seed).resolve({**task.defaults, "batch_size": task.samples_per_step})
-    wrapped = wrap_model(convert(task.model, config.recipe).to(device), config.recipe, world)
-    st = _State(model=wrapped.model, optimizer=make_optimizer(config, wrapped.model), world=world, wrapped=wrapped,
+    r = resolve_for_task(config, task, seed)
+    recipe = r.config.recipe
+    wrapped = wrap_model(convert(task.model, recipe).to(device), recipe, world)
+    st = _State(model=wrapped.model, optimizer=make_optimizer(r, wrapped.model), world=world, wrapped=wrapped,
                 device=device)
-    policy = config.recipe.fallback
-    if policy is not None:
-        _check_fallback(config, world)
+    if recipe.fallback is not None:
+        _check_fallback(r.config, world)
         from ..numerics import FallbackController
 
-        st.fallback = FallbackController(unwrap(st.model), policy, seed=config.recipe.seed)
-    rid = _open_run(config, task, st, store, seed=seed, resume=resume, run_id=run_id, allow_restart=allow_restart)
-    every = config.stats.every or (FALLBACK_EVERY if policy is not None else None)
-    st.sample_every = every
-    if every and world.is_main:
+        st.fallback = FallbackController(unwrap(st.model), recipe.fallback, seed=recipe.seed)
+    life = RunLifecycle(r, store, progress=progress, is_main=world.is_main, rank=world.rank)
+    rid = _open_run(life, task, st, resume=resume, run_id=run_id, allow_restart=allow_restart)
+    st.sample_every = r.stats_every
+    if r.stats_every and world.is_main:
         from ..numerics import StatsObserver
 
-        st.observer = StatsObserver(unwrap(st.model), every=every, what_if=config.stats.what_if)
-    bar = Progress(f"{config.label} seed {seed}", config.steps or 0, start=st.step,
-                   enabled=progress and world.is_main)
+        st.observer = StatsObserver(unwrap(st.model), every=r.stats_every, what_if=r.config.stats.what_if)
     try:
-        diverged = _loop(task, st, config, store, rid, bar)
-    except BaseException as e:
-        reason = "interrupted (KeyboardInterrupt)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
-        if world.is_main:
-            store.finish_run(rid, status="failed", error=reason)
-        else:
-            store.add_event(rid, step=st.step, kind="rank_failure", payload={"rank": world.rank, "error": reason})
-        raise
+        with life.running(rid, st.step):
+            diverged = _loop(task, st, life)
     finally:
-        bar.close()
         if st.observer is not None:
             st.observer.close()
     world.barrier()
-    if world.is_main:
-        store.finish_run(rid, status="diverged" if diverged else "completed")
-        if diverged and progress:
-            print(diverged_line(store, rid), flush=True)
+    life.finish(diverged=diverged)
     return rid
 
 
@@ -653,8 +584,9 @@ def run_config(config: RunConfig, *, store: RunStore, progress: bool = True) -> 
     ids = []
     for s in config.seeds:
         task = build_task(config, s)
-        resolved = config.for_seed(s).resolve({**task.defaults, "batch_size": task.samples_per_step})
-        ids.append(launch(resolved, seed=s, batch_size=task.samples_per_step, store=store, quiet=not progress))
+        resolved = resolve_for_task(config, task, s)
+        ids.append(launch(resolved.config, seed=s, batch_size=task.samples_per_step, store=store,
+                          quiet=not progress))
     return ids
 
 
@@ -678,7 +610,8 @@ def resume_run(run_id: str, *, store: RunStore, progress: bool = True, world_siz
     if config.parallel.strategy != "single":
         from ._launch import launch
 
-        return launch(config, seed=seed, batch_size=config.batch_size or 1, store=store, resume=record.run_id,
-                      quiet=not progress, allow_restart=allow_restart)
+        stored_run = resolve(config, seed=seed, defaults={})  # a stored config is resolved: nothing to fill in
+        return launch(config, seed=seed, batch_size=stored_run.batch_size, store=store,
+                      resume=record.run_id, quiet=not progress, allow_restart=allow_restart)
     return train(config, seed=seed, store=store, resume=record.run_id, progress=progress,
                  allow_restart=allow_restart)
