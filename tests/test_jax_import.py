@@ -178,10 +178,11 @@ def test_torch_free_results_equal_normal_process_bits(no_torch: dict[str, Any], 
         assert no_torch[key] == normal[key], key
 
 
-# The public names of lowprec and lowprec.quant before the lazy imports (the release they must keep).
+# The public names of lowprec and lowprec.quant before the lazy imports (the release they must keep), plus
+# UsageError (issue 16: the one exception type for user errors).
 LOWPREC_NAMES = [
-    "FormatSpec", "QuantSpec", "Recipe", "__version__", "convert", "dequantize", "fake_quantize", "formats", "nn",
-    "optim", "quant", "quantize", "quantize_scaled", "recipes", "unconvert",
+    "FormatSpec", "QuantSpec", "Recipe", "UsageError", "__version__", "convert", "dequantize", "fake_quantize",
+    "formats", "nn", "optim", "quant", "quantize", "quantize_scaled", "recipes", "unconvert",
 ]
 QUANT_NAMES = [
     "QuantSpec", "TwoLevelScales", "backend", "dequantize", "fake_quantize", "get_backend", "quantize",
