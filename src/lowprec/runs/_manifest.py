@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from .._version import __version__
 
@@ -66,6 +65,8 @@ def build_manifest(*, seed: int, recipe_hash: str, data_hash: str, data_source: 
     JAX run's platform), recorded as ``hardware.device`` (what the judge tells experiments apart by), with the
     GPU's name as ``hardware.gpu`` on CUDA.  ``config_dir``: the run config's folder (where a ``"module:function"``
     model was also looked for; ``lowprec run --resume`` looks there again), recorded when given."""
+    import torch  # here, not at module level: cpu_model and git_state serve torch-free callers (track, benchmarks)
+
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else None
     extra = {} if config_dir is None else {"config_dir": config_dir}
     return {

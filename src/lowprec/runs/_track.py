@@ -33,11 +33,11 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from .._errors import UsageError
 from .._version import __version__
+from ._manifest import cpu_model, git_state
 from ._store import RunStore
 
 __all__ = ["TrackedRun", "track"]
@@ -225,29 +225,6 @@ def _recipe_hash(recipe: Any, config: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config["recipe"], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git_state() -> dict[str, Any] | None:
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-
-    try:
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain",
-                                                                           "--untracked-files=no"))}
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def build_track_manifest(*, seed: int, metrics: Mapping[str, str], data_hash: str, recipe_hash: str,
                          framework: str, device: str, world_size: int) -> dict[str, Any]:
     """The manifest of a tracked run: the keys ``build_manifest`` writes for runner-made runs (versions, hardware,
@@ -269,10 +246,10 @@ def build_track_manifest(*, seed: int, metrics: Mapping[str, str], data_hash: st
         "data_source": "user" if data_hash != "none" else "none",
         "metrics": dict(metrics),
         "versions": versions,
-        "hardware": {"cpu": _cpu_model(), "gpu": gpu, "device": device,
+        "hardware": {"cpu": cpu_model(), "gpu": gpu, "device": device,
                      "torch_threads": torch.get_num_threads() if torch is not None else None},
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "executable": sys.executable},
-        "git": _git_state(),
+        "git": git_state(),
         "framework": framework,
         "world_size": world_size,
         "source": "track",
