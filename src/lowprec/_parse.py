@@ -10,8 +10,10 @@ data (TOML's dotted keys nest without brackets), and anything deeper than ``MAX_
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
+from pathlib import Path
 from typing import Any
 
 from ._errors import UsageError
@@ -34,6 +36,18 @@ _TOML_TOKENS = re.compile(
     r"|[\[\]{}]",
     re.S,
 )
+
+
+def read_text_file(path: str | os.PathLike[str], what: str) -> str:
+    """The UTF-8 text of the user's ``what`` file (``"config"``, ``"criteria"``, ``"baseline"``): a missing or
+    unreadable file is a ``UsageError`` naming it (``config file 'x.toml' does not exist``)."""
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{what} file {str(p)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {what} file {str(p)!r}: {e}") from None
 
 
 def _too_deep(where: str) -> UsageError:

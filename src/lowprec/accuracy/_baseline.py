@@ -29,7 +29,7 @@ import numpy as np
 
 from .._checks import check_finite, check_literal, check_str
 from .._errors import UsageError
-from .._parse import parse_json
+from .._parse import parse_json, read_text_file
 from ..runs._atomic import atomic_write_text
 from ._stats import DIRECTIONS, Criteria, Direction, smooth
 
@@ -201,12 +201,7 @@ class Baseline:
         """Read and validate a baseline JSON file (``from_dict``); every problem is a ValueError naming the file:
         a missing or unreadable file, invalid or too deeply nested JSON (``parse_json``), or a bad field."""
         p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise UsageError(f"baseline file {str(p)!r} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read baseline file {str(p)!r}: {e}") from None
+        text = read_text_file(p, "baseline")
         data = parse_json(text, where=f"baseline file {str(p)!r}")
         try:
             return cls.from_dict(data)

@@ -16,18 +16,13 @@ def _criteria(path: str | None) -> Any:
     """The ``Criteria`` of ``--criteria FILE`` (TOML, or JSON for ``*.json``; a top-level ``criteria`` table is
     unwrapped), or None.  Every problem is a ValueError naming the file: missing, unreadable, not valid or too
     deeply nested TOML/JSON (``parse_toml``/``parse_json``), or a bad field."""
-    from .._parse import parse_json, parse_toml
+    from .._parse import parse_json, parse_toml, read_text_file
     from ..accuracy._stats import Criteria
 
     if path is None:
         return None
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"criteria file {path!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read criteria file {path!r}: {e}") from None
+    text = read_text_file(p, "criteria")
     where = f"criteria file {path!r}"
     data = parse_json(text, where=where) if p.suffix == ".json" else parse_toml(text, where=where)
     try:

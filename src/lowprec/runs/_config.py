@@ -36,7 +36,7 @@ from .. import recipes
 from .._checks import check_choice, check_float, check_int
 from .._errors import UsageError
 from .._parse import MAX_NESTING as MAX_NESTING  # re-exported: the limit config errors name
-from .._parse import parse_json, parse_toml
+from .._parse import parse_json, parse_toml, read_text_file
 from ..recipes import Recipe
 
 DEFAULT_STORE = "lowprec-runs/runs.db"
@@ -374,12 +374,7 @@ def load(path: str | Path) -> RunConfig:
     ``RunConfig.to_json`` writes and ``python -m lowprec.train`` reads), with ``check_declared``; its
     ``config_dir`` is the file's folder (absolute)."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"config file {str(p)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read config file {str(p)!r}: {e}") from None
+    text = read_text_file(p, "config")
     if p.suffix.lower() == ".json":
         config = RunConfig.from_dict(parse_json(text, where=str(p)), where=str(p))
     else:
