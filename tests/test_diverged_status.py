@@ -63,3 +63,18 @@ def test_a_diverged_jax_run_is_diverged(tmp_path: Path, capsys: pytest.CaptureFi
     assert line == [f"run {rid} diverged at step {ev['step']} (loss {ev['payload']['loss']}, grad norm "
                     f"{ev['payload']['grad_norm']}): no localisation recorded (JAX runs, and a non-finite value "
                     "outside the replayed step)"]
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_lowprec_run_prints_the_localisation_line_once_quiet_or_not(tmp_path: Path, quiet: bool,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Oracle: stdout of ``lowprec run`` of a run planted to overflow at step 3: exactly one "run ID diverged"
+    line naming the module and the step, with or without ``--quiet`` (before, --quiet hid it)."""
+    (tmp_path / "c.toml").write_text('model = "_faulty_tasks:overflow_at"\nsteps = 8\neval_interval = 4\nseed = 0\n'
+                                     'threads = 1\n[model_options]\nstep = 3\n')
+    args = ["run", str(tmp_path / "c.toml"), "--store", str(tmp_path / "runs.db")] + (["--quiet"] if quiet else [])
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if " diverged" in x and x.startswith("run ")]
+    assert len(lines) == 1, out
+    assert "at step 4" in lines[0] and "layers.1.amp" in lines[0], lines[0]

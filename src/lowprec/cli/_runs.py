@@ -161,7 +161,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                 _with_resume_hint(e, _interrupted_run(store, before, e), store)
             raise
         for run_id in ids:
-            print(_run_line(store.get_run(run_id), store))
+            rec = store.get_run(run_id)
+            print(_run_line(rec, store))
+            if rec.status == "diverged" and args.quiet:  # with progress on, the run printed it as it ended
+                from ..runs._lifecycle import diverged_line
+
+                print(diverged_line(store, run_id))
     return 0
 
 
