@@ -64,10 +64,9 @@ import scipy.stats
 
 from .._checks import check_float, check_int, check_literal, literal_values
 from .._errors import UsageError
+from .._types import DIRECTIONS as DIRECTIONS  # re-exported: the judge's metric directions
+from .._types import Direction as Direction
 
-Direction = Literal["min", "max"]
-"""Which way a metric is better: "min" (lower is better, a loss) or "max" (higher is better, an accuracy)."""
-DIRECTIONS: tuple[str, ...] = literal_values(Direction)
 CurveRole = Literal["guard", "primary"]
 """``Criteria.curve_role``: whether the loss curve can only FAIL a verdict ("guard") or must PASS too ("primary")."""
 CURVE_ROLES: tuple[str, ...] = literal_values(CurveRole)

@@ -26,10 +26,11 @@ from typing import Any, Literal
 
 import torch
 
+from .._checks import literal_values
 from .._errors import UsageError
 
 Backend = Literal["auto", "eager", "compiled"]
-_BACKENDS = ("auto", "eager", "compiled")
+_BACKENDS = literal_values(Backend)
 AUTO_MIN_NUMEL = 1 << 20
 _state: dict[str, str] = {"backend": os.environ.get("LOWPREC_BACKEND", "auto")}
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}

@@ -30,22 +30,28 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .. import recipes
-from .._checks import check_choice, check_float, check_int
+from .._checks import check_float, check_int, check_literal, literal_values
 from .._errors import UsageError
 from .._parse import MAX_NESTING as MAX_NESTING  # re-exported: the limit config errors name
 from .._parse import parse_json, parse_toml, read_text_file
 from ..recipes import Recipe
 
 DEFAULT_STORE = "lowprec-runs/runs.db"
-OPTIMIZERS = ("adamw", "sgd")
-SCHEDULES = ("constant", "cosine", "linear")
-STRATEGIES = ("single", "ddp", "fsdp2", "hsdp")
-BACKENDS = ("auto", "gloo", "nccl")
-FRAMEWORKS = ("torch", "jax")
-DEVICES = ("auto", "cpu", "cuda")
+OptimizerName = Literal["adamw", "sgd"]
+ScheduleName = Literal["constant", "cosine", "linear"]
+Strategy = Literal["single", "ddp", "fsdp2", "hsdp"]
+DistBackend = Literal["auto", "gloo", "nccl"]
+Framework = Literal["torch", "jax"]
+Device = Literal["auto", "cpu", "cuda"]
+OPTIMIZERS = literal_values(OptimizerName)
+SCHEDULES = literal_values(ScheduleName)
+STRATEGIES = literal_values(Strategy)
+BACKENDS = literal_values(DistBackend)
+FRAMEWORKS = literal_values(Framework)
+DEVICES = literal_values(Device)
 MAX_STEPS = 10**9
 """Upper bound of ``steps`` (and of the other step counts): a billion optimizer steps is weeks at a millisecond a
 step and years at the emulated GEMMs' pace, and every step stores a row per scalar; a larger value (``1e15``) is a
@@ -56,7 +62,7 @@ typo, refused before any work rather than failing in the store or never ending."
 class OptimizerConfig:
     """The torch optimizer that computes each float32 update (the recipe decides how it is stored)."""
 
-    name: str | None = None
+    name: OptimizerName | None = None
     """"adamw" or "sgd" (with momentum); default: the task's."""
     lr: float | None = None
     """Peak learning rate; default: the task's."""
@@ -71,7 +77,7 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.name is not None:
-            check_choice(self.name, "optimizer.name", OPTIMIZERS)
+            check_literal(self.name, "optimizer.name", OptimizerName)
         if self.lr is not None:
             check_float(self.lr, "optimizer.lr", 0.0, open_lo=True)
         check_float(self.weight_decay, "optimizer.weight_decay", 0.0)
@@ -90,13 +96,13 @@ class ScheduleConfig:
     """Learning rate over steps: linear warm-up from 0, then constant, cosine or linear decay to
     ``min_lr_ratio * lr`` at the last step."""
 
-    name: str = "cosine"
+    name: ScheduleName = "cosine"
     warmup_steps: int | None = None
     """Default: the task's."""
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        check_choice(self.name, "schedule.name", SCHEDULES)
+        check_literal(self.name, "schedule.name", ScheduleName)
         if self.warmup_steps is not None:
             check_int(self.warmup_steps, "schedule.warmup_steps", 0, MAX_STEPS)
         check_float(self.min_lr_ratio, "schedule.min_lr_ratio", 0.0, 1.0)
@@ -119,12 +125,12 @@ class ScheduleConfig:
 class ParallelConfig:
     """Parallel layout: one process, or data parallel over ``world_size`` torchrun processes."""
 
-    strategy: str = "single"
+    strategy: Strategy = "single"
     """"single", "ddp" (DistributedDataParallel) or "fsdp2" (``fully_shard`` with the recipe's mixed-precision
     policy); with ddp and fsdp2 each rank trains on its 1/world_size of every batch."""
     world_size: int = 1
     """Processes on this node (``lowprec run`` launches torchrun with this many)."""
-    backend: str = "auto"
+    backend: DistBackend = "auto"
     """"auto" (NCCL with CUDA, else gloo), "gloo" or "nccl"."""
     max_restarts: int = 0
     """torchrun elastic restarts: a failed worker group restarts from the newest checkpoint."""
@@ -134,9 +140,9 @@ class ParallelConfig:
     """"hsdp": (replicas, shards per replica); their product is the world size."""
 
     def __post_init__(self) -> None:
-        check_choice(self.strategy, "parallel.strategy", STRATEGIES)
+        check_literal(self.strategy, "parallel.strategy", Strategy)
         check_int(self.world_size, "parallel.world_size", 1, 1 if self.strategy == "single" else 1024)
-        check_choice(self.backend, "parallel.backend", BACKENDS)
+        check_literal(self.backend, "parallel.backend", DistBackend)
         check_int(self.max_restarts, "parallel.max_restarts", 0, 100)
         if self.master_port is not None:
             check_int(self.master_port, "parallel.master_port", 1024, 65535)
@@ -211,7 +217,7 @@ class RunConfig:
     """Label of the run(s); default ``"<model> <recipe>"``."""
     group: str | None = None
     """Group label in the run store (a comparison selects runs by group); default: the name."""
-    framework: str = "torch"
+    framework: Framework = "torch"
     """"torch" (the default) or "jax" (``lowprec.jax``: the same task, batches, initial weights, recipe and
     optimizer, trained by ``lowprec.runs._jax_runner``; single process, mlp-digits, no checkpoints/resume)."""
     seeds: tuple[int, ...] = (0,)
@@ -229,7 +235,7 @@ class RunConfig:
     """Path of the SQLite run store (checkpoints go next to it, under ``checkpoints/<run id>/``)."""
     threads: int | None = None
     """torch intra-op threads (None: leave torch's default)."""
-    device: str = "auto"
+    device: Device = "auto"
     """Where the model and its batches live: "cpu", "cuda" or "auto" (CUDA when available, else CPU; under data
     parallelism the process group's: CUDA with NCCL, CPU with gloo).  "cuda" without a usable GPU is refused before
     any work.  The manifest records the device used (``hardware.device``)."""
@@ -247,7 +253,7 @@ class RunConfig:
             v = getattr(self, field)
             if v is not None and (not isinstance(v, str) or not v.strip()):
                 raise UsageError(f"{field} must be a non-empty string; got {v!r}")
-        check_choice(self.framework, "framework", FRAMEWORKS)
+        check_literal(self.framework, "framework", Framework)
         if self.framework == "jax" and self.parallel.strategy != "single":
             raise UsageError(f"framework = \"jax\" trains in one process; got parallel.strategy "
                              f"{self.parallel.strategy!r}: set parallel.strategy = \"single\" (data-parallel JAX "
@@ -274,7 +280,7 @@ class RunConfig:
             raise UsageError(f"store must be a path; got {self.store!r}")
         if self.threads is not None:
             check_int(self.threads, "threads", 1)
-        check_choice(self.device, "device", DEVICES)
+        check_literal(self.device, "device", Device)
         if self.framework == "jax" and self.device == "cuda":
             raise UsageError("framework = \"jax\" runs on JAX's default backend, which device does not choose; "
                              "set device = \"auto\" (the manifest records the JAX platform) or framework = "

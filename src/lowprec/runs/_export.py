@@ -39,6 +39,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from .._checks import literal_values
 from .._errors import UsageError
 from ._atomic import atomic_write_bytes, atomic_write_text
 from ._store import _RUN_ID, RunRecord, RunStore
@@ -46,7 +47,9 @@ from ._store import _RUN_ID, RunRecord, RunStore
 __all__ = ["atomic_write_bytes", "atomic_write_text", "export_mlflow", "export_run", "export_tensorboard", "run_dir",
            "run_to_dict"]
 
-FORMATS = ("csv", "json")
+ExportFormat = Literal["csv", "json"]
+"""What ``export_run`` writes (TensorBoard and MLflow have their own exporters)."""
+FORMATS = literal_values(ExportFormat)
 FORMAT_VERSION = 1
 
 
@@ -90,7 +93,7 @@ def _wide_csv(store: RunStore, run_id: str) -> str:
     return buf.getvalue()
 
 
-def export_run(store: RunStore, run_id: str, *, fmt: Literal["csv", "json"],
+def export_run(store: RunStore, run_id: str, *, fmt: ExportFormat,
                out: str | os.PathLike[str] | TextIO) -> Path | None:
     """Write run ``run_id`` (id or unique prefix) as ``fmt`` to ``out``: a path (written atomically; returned) or an
     open text stream (written, not closed; returns None).  See the module docstring for both layouts."""

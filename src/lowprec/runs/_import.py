@@ -46,13 +46,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from .._checks import literal_values
 from .._errors import UsageError
+from .._types import FinalStatus
 from .._version import __version__
 from ._store import RunStore
 
 __all__ = ["IMPORT_FORMATS", "IMPORTER_VERSION", "import_run", "read_curves"]
 
-IMPORT_FORMATS = ("tensorboard", "mlflow", "csv", "jsonl")
+ImportFormat = Literal["tensorboard", "mlflow", "csv", "jsonl"]
+"""What ``import_run`` reads: TensorBoard event files, a local MLflow store, CSV or JSON Lines."""
+IMPORT_FORMATS = literal_values(ImportFormat)
 IMPORTER_VERSION = 1
 LOSS_KEY = "train/loss"
 LOSS_ALIASES = ("train/loss", "loss", "train_loss", "loss/train", "Loss/train")
@@ -250,7 +254,7 @@ def read_mlflow(uri: str, run: str | None) -> tuple[Curves, dict[str, Any]]:
     return curves, meta
 
 
-def read_curves(path: str | os.PathLike[str], *, fmt: Literal["tensorboard", "mlflow", "csv", "jsonl"],
+def read_curves(path: str | os.PathLike[str], *, fmt: ImportFormat,
                 run: str | None = None) -> tuple[Curves, dict[str, Any]]:
     """The source's curves (tag -> (steps, values)) as read, unchecked and unrenamed, and what the source says
     about itself (MLflow: run id, name, status, params; TensorBoard: the event files)."""
@@ -365,7 +369,7 @@ def _int_or_none(what: str, raw: Any) -> int | None:
 
 # ------------------------------------------------------------------------------------------------ import
 def import_run(store: RunStore, path: str | os.PathLike[str], *,
-               fmt: Literal["tensorboard", "mlflow", "csv", "jsonl"], name: str | None = None,
+               fmt: ImportFormat, name: str | None = None,
                group: str | None = None, seed: int | None = None, mapping: Mapping[str, str] | None = None,
                metrics: Mapping[str, str] | None = None, config: Mapping[str, Any] | None = None,
                model: str | None = None, steps: int | None = None, recipe: str | None = None,
@@ -401,7 +405,8 @@ def import_run(store: RunStore, path: str | os.PathLike[str], *,
     manifest = {"seed": seed, "recipe_hash": rhash, "data_hash": data_hash or params.get("data_hash") or "unknown",
                 "metrics": dirs, "framework": framework or params.get("framework") or "unknown",
                 "versions": {"lowprec": __version__}, "source": _provenance(path, fmt, meta, curves, used, skipped)}
-    status, error = "completed", None
+    status: FinalStatus = "completed"
+    error: str | None = None
     if fmt == "mlflow" and meta["status"] != "FINISHED":
         status, error = "failed", f"the MLflow run's status was {meta['status']} when it was imported"
     return _record(store, name or meta.get("run_name") or Path(str(path)).stem, group, cfg, manifest, scalars,
@@ -423,7 +428,7 @@ def _provenance(path: str | os.PathLike[str], fmt: str, meta: dict[str, Any], cu
 
 
 def _record(store: RunStore, name: str, group: str | None, config: dict[str, Any], manifest: dict[str, Any],
-            scalars: Curves, status: str, error: str | None) -> str:
+            scalars: Curves, status: FinalStatus, error: str | None) -> str:
     """create + log (one transaction) + finish; a failure part-way deletes the run again."""
     rid = store.create_run(name=name, config=config, manifest=manifest, group=group)
     try:

@@ -14,6 +14,7 @@ import platform
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def git_state(directory: str | os.PathLike[str] = ".") -> dict[str, Any] | None:
 
 
 def build_manifest(*, seed: int, recipe_hash: str, data_hash: str, data_source: str,
-                   metrics: dict[str, str], device: str = "cpu", config_dir: str | None = None) -> dict[str, Any]:
+                   metrics: Mapping[str, str], device: str = "cpu", config_dir: str | None = None) -> dict[str, Any]:
     """The manifest of one run (JSON-ready).  ``device``: the device type the run trained on ("cpu", "cuda"; a
     JAX run's platform), recorded as ``hardware.device`` (what the judge tells experiments apart by), with the
     GPU's name as ``hardware.gpu`` on CUDA.  ``config_dir``: the run config's folder (where a ``"module:function"``

@@ -94,6 +94,9 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from .._errors import UsageError
+from .._types import FINAL_STATUSES as FINAL_STATUSES  # re-exported: callers name them from the store
+from .._types import STATUSES as STATUSES
+from .._types import FinalStatus, RunStatus
 
 __all__ = ["DEFAULT_PATH", "MIGRATIONS", "BaselineCheck", "RunCheck", "RunRecord", "RunStore", "RunTakenOver",
            "StoreCheck", "StoreCorrupt", "StoreError"]
@@ -101,8 +104,6 @@ __all__ = ["DEFAULT_PATH", "MIGRATIONS", "BaselineCheck", "RunCheck", "RunRecord
 T = TypeVar("T")
 
 DEFAULT_PATH = Path("lowprec-runs") / "runs.db"
-STATUSES = ("running", "completed", "diverged", "failed")
-FINAL_STATUSES = ("completed", "diverged", "failed")
 MIN_PREFIX = 4
 BUSY_TIMEOUT_MS = 5_000  # one wait inside SQLite for the write lock ...
 WRITE_DEADLINE_S = 120.0  # ... retried with back-off until this deadline
@@ -219,7 +220,7 @@ class RunRecord:
     run_id: str  # 12 hex chars; any unique prefix of >= 4 chars selects it
     name: str  # human label
     group: str | None  # selects a group of runs, e.g. a baseline's name
-    status: str  # "running" | "completed" | "diverged" | "failed"
+    status: RunStatus
     created_at: float  # unix time
     finished_at: float | None
     config: dict  # the full resolved run config
@@ -908,7 +909,7 @@ class RunStore:
 
         return self._read(get)
 
-    def list_runs(self, *, group: str | None = None, status: str | None = None,
+    def list_runs(self, *, group: str | None = None, status: RunStatus | None = None,
                   verify: bool = True) -> list[RunRecord]:
         """Runs, newest first, optionally only one group and/or one (shown) status.  Every id is validated; with
         ``verify`` every record is checked against its checksum (``StoreCorrupt`` names the first bad run)."""
@@ -991,7 +992,7 @@ class RunStore:
         c.execute(f"UPDATE runs SET {sets}, checksum = ? WHERE run_id = ?",
                   (*changes.values(), run_checksum(list(row.values())), rid))
 
-    def finish_run(self, run_id: str, *, status: str, error: str | None = None) -> None:
+    def finish_run(self, run_id: str, *, status: FinalStatus, error: str | None = None) -> None:
         """Mark the run "completed", "diverged" (it stopped at a non-finite loss or gradient norm) or "failed" (with
         ``error`` saying why) and stamp ``finished_at``.
 

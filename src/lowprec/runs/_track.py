@@ -36,13 +36,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from .._errors import UsageError
+from .._types import DIRECTIONS
 from .._version import __version__
 from ._manifest import cpu_model, git_state
 from ._store import RunStore
 
 __all__ = ["TrackedRun", "track"]
 
-DIRECTIONS = ("min", "max")
 FLUSH_EVERY = 50
 """Default: write the buffered rows at least every this many distinct logged steps ..."""
 FLUSH_SECONDS = 5.0

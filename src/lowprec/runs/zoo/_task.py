@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from ..._errors import UsageError
-
-DIRECTIONS = ("min", "max")
+from ..._types import DIRECTIONS, Direction
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +59,7 @@ class Task:
     evaluate: Callable[[torch.nn.Module], dict[str, float]] = None  # type: ignore[assignment]  # left out: mean_loss
     """Held-out metrics under ``torch.no_grad``; deterministic; restores the model's training mode; moves its data
     to the model's device (:func:`model_device`).  Left out: the mean loss over ``eval_batches``."""
-    metrics: dict[str, str] = field(default_factory=lambda: {"loss": "min"})
+    metrics: dict[str, Direction] = field(default_factory=lambda: {"loss": "min"})
     """Metric name -> ``"min"`` or ``"max"`` (which direction is better); always has ``"loss"``."""
     data_hash: str = ""
     """sha256 (hex) of the data bytes actually used (train and held-out parts, in order; :func:`hash_arrays`), the
