@@ -78,6 +78,23 @@ def test_latest_judges_the_newest_completed_run_of_each_seed(workdir: Path,
         s._write(lambda c: s._rewrite_run(c, new, status="completed", error=None))  # as it was
 
 
+def test_baseline_from_runs_latest_names_what_it_left_out(workdir: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``baseline --from-runs GROUP --latest`` builds from the newest run of seed 10 and says on stderr which run it
+    dropped, as compare does; without --latest the clash is the usage error."""
+    old, new, eleven = _ids(workdir)
+    store = str(workdir / "runs.db")
+    rc, out, err = _main(capsys, "baseline", "--from-runs", GROUP, "--name", "from-dup", "--store", store)
+    assert rc == 2 and "has 2 runs of seed 10" in err and "--latest" in err
+    rc, out, err = _main(capsys, "baseline", "--from-runs", GROUP, "--name", "from-dup", "--latest", "--store", store)
+    assert rc == 0, err
+    assert f"--latest: left out run {old} (created" in err and f"judged from run {new}" in err
+    assert "2 seeds [10, 11]" in out
+    with RunStore(store) as s:
+        assert sorted(e["run_id"] for e in s.get_baseline("from-dup")["seeds"]) == sorted([new, eleven])
+        s.delete_baseline("from-dup")
+
+
 def test_runs_delete_asks_refuses_and_deletes(workdir: Path, capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     old, new, eleven = _ids(workdir)

@@ -28,13 +28,15 @@ def baseline_group(name: str) -> str:
 
 
 def baseline_from_runs(store: RunStore, name: str, selectors: Sequence[str], *, criteria: Criteria | None = None,
-                       overwrite: bool = False, latest: bool = False) -> Baseline:
+                       overwrite: bool = False, latest: bool = False,
+                       left_out: list[str] | None = None) -> Baseline:
     """Build baseline ``name`` from runs already in the store (groups or run ids, as ``select_runs`` takes them:
     runs of ``lowprec run``, of ``lowprec.runs.track`` in your own loop, or imported) and save it in the store.
-    Nothing trains.  The criteria are fixed now, before any candidate is seen."""
+    Nothing trains.  The criteria are fixed now, before any candidate is seen.  ``left_out``: a list that gets one
+    line per run ``latest`` dropped (an older run of a seed recorded twice), as ``select_runs`` gives it."""
     if name in store.list_baselines() and not overwrite:
         raise UsageError(f"baseline {name!r} already exists in {store.path}; pass --overwrite to replace it")
-    runs = select_runs(store, selectors, latest=latest)
+    runs = select_runs(store, selectors, latest=latest, left_out=left_out)
     if criteria is not None:
         check_criteria_metrics(criteria, runs[0].manifest.get("metrics") or {}, model=str(runs[0].config.get(
             "model", runs[0].run_id)))

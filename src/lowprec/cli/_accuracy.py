@@ -65,9 +65,12 @@ def cmd_baseline(args: argparse.Namespace) -> int:
     if args.from_runs:
         from ..accuracy._workflow import baseline_from_runs
 
+        left_out: list[str] = []
         with open_store(store_path(args), create=False) as store:
             b = baseline_from_runs(store, args.name, args.from_runs, criteria=criteria, overwrite=args.overwrite,
-                                   latest=args.latest)
+                                   latest=args.latest, left_out=left_out)
+        for line in left_out:
+            print(line, file=sys.stderr)
     else:
         from ..runs._seeds import train_baseline
 
