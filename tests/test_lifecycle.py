@@ -187,7 +187,9 @@ def test_an_interrupt_marks_the_run_failed_with_the_reason(tmp_path: Path) -> No
 def test_torch_and_jax_runs_record_the_same_keys(tmp_path: Path) -> None:
     from lowprec.runs._runner import run_config
 
-    base = RunConfig(model="mlp-digits", steps=3, eval_interval=2, model_options={"hidden": 16})
+    # a config read from a file (load_config sets config_dir): both manifests record the folder
+    base = RunConfig(model="mlp-digits", steps=3, eval_interval=2, model_options={"hidden": 16},
+                     config_dir=str(tmp_path))
     with RunStore(tmp_path / "runs.db") as store:
         (t,) = run_config(base, store=store, progress=False)
         (j,) = run_config(dataclasses.replace(base, framework="jax"), store=store, progress=False)
@@ -198,6 +200,7 @@ def test_torch_and_jax_runs_record_the_same_keys(tmp_path: Path) -> None:
         assert set(rt.config) == set(rj.config) and rt.config["steps"] == rj.config["steps"] == 3
         assert [s for s in store.scalars(j)["eval/loss"][0]] == [2, 3] == list(store.scalars(t)["eval/loss"][0])
         assert (rt.status, rj.status) == ("completed", "completed")
+        assert rt.manifest["config_dir"] == rj.manifest["config_dir"] == str(tmp_path)
 
 
 @pytest.mark.parametrize("module", ["lowprec.runs._runner", "lowprec.runs._lifecycle", "lowprec.train"])

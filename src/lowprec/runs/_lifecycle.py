@@ -133,7 +133,10 @@ def build_task(config: RunConfig, seed: int) -> Task:
 def run_manifest(r: ResolvedConfig, task: Task, *, device: str, world_size: int, config_dir: str | None = None,
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """``build_manifest`` of the run, then ``extra`` (e.g. a JAX run's ``framework``), ``world_size`` and the
-    ``_resume.RECORDS_KEY`` flag (this lowprec records every checkpoint it writes)."""
+    ``_resume.RECORDS_KEY`` flag (this lowprec records every checkpoint it writes).  ``config_dir`` (default: the
+    run's ``import_dir``) is recorded for both runners, so a resumed run finds a ``"module:function"`` task again."""
+    if config_dir is None:
+        config_dir = import_dir(r.config)
     m = build_manifest(seed=r.seed, recipe_hash=r.config.recipe.hash(), data_hash=task.data_hash,
                        data_source=task.data_source, metrics=task.metrics, device=device, config_dir=config_dir)
     m.update(extra or {})
