@@ -222,3 +222,34 @@ def test_cli_bad_flags_exit_2_before_training(tmp_path: Path, capsys: pytest.Cap
     err = capsys.readouterr().err
     assert err.startswith("lowprec: error: ") and message in err and "Traceback" not in err
     assert not (tmp_path / "runs.db").exists()
+
+
+def test_dict_batches_and_dict_outputs_are_analysed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Hugging Face style task (examples/own_task: dict batches, a model returning {"logits", "loss"}) is ranked by
+    ``lowprec sensitivity``.  Oracle: the same trained model driven through tuple batches and a plain logits
+    function gives the same rows (the dict path feeds model(**batch) and compares the logits)."""
+    from lowprec.runs._trained import eval_batches, load_trained
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "own_task" / "run.toml"
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(example.read_text().replace('store = "lowprec-runs/runs.db"', f'store = "{tmp_path / "r.db"}"'))
+    (tmp_path / "mytask.py").write_text((example.parent / "mytask.py").read_text())
+    assert main(["sensitivity", str(cfg), "--spec", "mxfp4", "--batches", "2", "--calib-steps", "5", "--quiet",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert sorted(r["name"] for r in rows) == ["fc", "head"]
+    with RunStore(tmp_path / "r.db") as store:
+        (run,) = store.list_runs(group="calibration/mytask:make")
+        cal = load_trained(store, run.run_id)
+
+    class Logits(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.fc, self.head, self.embed = inner.fc, inner.head, inner.embed
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(F.relu(self.fc(self.embed(ids).mean(1))))
+
+    tuples = [(b["input_ids"], b["labels"]) for b in eval_batches(cal, 2)]
+    again = layer_sensitivity(Logits(cal.model), tuples, F.cross_entropy, "mxfp4")
+    assert [r.to_dict() for r in again] == rows

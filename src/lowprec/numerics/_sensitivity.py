@@ -47,12 +47,15 @@ import torch
 from torch import nn
 
 from .. import formats
+from .._batches import call_model, output_tensor
 from .._errors import UsageError
 from ..quant import QuantSpec
 from ._tensor_stats import spec_name
 
-Batch = tuple[Any, torch.Tensor]
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+Batch = Any
+"""A batch by lowprec's batch contract (``lowprec._batches``): ``(*inputs, target)``, a dict (``model(**batch)``,
+Hugging Face style) or a tensor."""
+LossFn = Callable[[Any, Any], torch.Tensor]
 GROUP_BY = ("layer", "block")
 METRICS = ("sqnr", "probe")
 _FLOATS = ("sqnr_db", "loss", "loss_delta", "probe_delta")
@@ -207,12 +210,10 @@ def _sqnr_db(ref: Sequence[torch.Tensor], got: Sequence[torch.Tensor]) -> float:
 @torch.no_grad()
 def _forward(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn) -> tuple[list[torch.Tensor], float]:
     outs, losses = [], []
-    for inputs, targets in batches:
-        out = model(inputs)
-        if not isinstance(out, torch.Tensor):
-            raise UsageError(f"sensitivity needs a model that returns one tensor; got {type(out).__name__}")
-        outs.append(out.detach().to(torch.float32))
-        losses.append(float(loss_fn(out, targets)))
+    for batch in batches:
+        out, target = call_model(model, batch)
+        outs.append(output_tensor(out).detach().to(torch.float32))
+        losses.append(float(loss_fn(out, target)))
     return outs, sum(losses) / len(losses)
 
 
@@ -227,7 +228,7 @@ class _Probe:
                              "e.g. after lowprec.unconvert(model)")
         self.batches = list(batches)
         if not self.batches:
-            raise UsageError("batches must hold at least one (inputs, targets) pair")
+            raise UsageError("batches must hold at least one batch")
         self.model = copy.deepcopy(model).eval()
         self.loss_fn = loss_fn
         self.ref, self.ref_loss = _forward(self.model, self.batches, loss_fn)
@@ -284,8 +285,9 @@ def sensitivity_table(model: nn.Module, batches: Sequence[Batch], loss_fn: LossF
 
     Args:
         model: the trained float32 model (not modified: a private copy is quantized).
-        batches: ``(inputs, targets)`` pairs, the fixed evaluation set; the model must return one tensor.
-        loss_fn: ``(output, targets) -> scalar tensor``.
+        batches: the fixed evaluation set: ``(inputs, targets)`` pairs, dicts (``model(**batch)``, Hugging Face
+            style) or tensors; the model returns a tensor or an output with ``logits`` (what SQNR compares).
+        loss_fn: ``(output, target) -> scalar tensor`` (the target: a tuple's last element, else the batch).
         specs: candidate specs (see ``resolve_candidate``), e.g. ``["mxfp4", "mxfp6_e2m3", "bf16"]``.
         groups: ``None``/"layer" (each ``nn.Linear`` alone), "block", a name depth, or ``{group: [module, ...]}``.
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..._batches import call_model
 from ..._errors import UsageError
 from ..._types import DIRECTIONS, Direction
 
@@ -129,15 +130,7 @@ def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any, Any],
     ``loss_fn=None`` is :func:`model_loss`.  UsageError for an empty tuple or a loss that is not a 0-d tensor.
     """
     fn = model_loss if loss_fn is None else loss_fn
-    if isinstance(batch, Mapping):
-        loss = fn(model(**batch), batch)
-    elif isinstance(batch, tuple | list):
-        if len(batch) < 2:
-            raise UsageError(f"a tuple batch is (*inputs, target), at least two elements; got {len(batch)}: "
-                             "return a dict or a tensor for a model that needs no target")
-        loss = fn(model(*batch[:-1]), batch[-1])
-    else:
-        loss = fn(model(batch), batch)
+    loss = fn(*call_model(model, batch))
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         raise UsageError(f"the task's loss must be a 0-d float tensor; got {_describe(loss)}: reduce it (e.g. "
                          ".mean()) in loss_fn")
