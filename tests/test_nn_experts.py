@@ -8,6 +8,8 @@ implementation, plain autograd) for the float32 recipe; the state-dict contract 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -241,3 +243,24 @@ def test_whole_model_loss_state_dict_and_round_trip(build) -> None:
         assert layer.mlp.experts is orig
     assert all(p is params[n] for n, p in base.named_parameters())
     assert torch.equal(base(input_ids=ids, labels=ids).loss, ref_loss)
+
+
+def test_bf16_module_deepcopy_and_hooks() -> None:
+    mod = _experts(_mixtral()).to(torch.bfloat16)
+    calls: list[int] = []
+    mod.register_forward_hook(lambda *_: calls.append(1))
+    rec = _lin("fp8-tensorwise")
+    em = EmulatedExperts.from_module(mod, rec, seed=0, name="moe")
+    ref = _Reference(mod, rec, seed=0, name="moe")
+    x, idx, w = _routing(4)
+    got = _run(em, x.bfloat16(), idx, w.bfloat16())
+    assert calls == [1]  # the original's hooks moved over
+    for what, a, b in zip(("output", "grad hidden_states", "grad top_k_weights"), got,
+                          _run(ref, x.bfloat16(), idx, w.bfloat16()), strict=True):
+        _assert_equal(a, b, f"bf16 {what}")
+    assert em.gate_up_proj.grad is not None and em.gate_up_proj.grad.dtype == torch.bfloat16
+    _assert_equal(em.gate_up_proj.grad, ref.grads()[0], "bf16 grad gate_up_proj")
+    twin = copy.deepcopy(em)
+    assert twin.gate_up_proj is not em.gate_up_proj
+    _assert_equal(twin(x.bfloat16(), idx, w.bfloat16()), got[0], "deepcopy")
+    assert twin.to_module().gate_up_proj is twin.gate_up_proj

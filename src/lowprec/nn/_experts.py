@@ -29,7 +29,8 @@ quantize it, so a tensorwise scale is the amax of *one expert's* weight, and of 
 ``x_e`` / ``h_e`` / ``dY_e`` (the expert's GEMM M-dimension is the number of tokens routed to it), never of the
 whole 3-D tensor or of all tokens.  This is what a grouped FP8 GEMM with one scale per group does; a single scale
 over all experts would let one expert's outlier crush the resolution of every other expert.  Row-wise, block and
-MX scaling are per row/block anyway and come out the same either way.
+MX scales are per row or block of the reduction dimension; in grad_weight that dimension is the expert's own
+tokens, so its blocks are per expert too (a block never mixes two experts' tokens).
 
 Bit-exactness: output and the gradients of ``hidden_states``, ``gate_up_proj``, ``down_proj`` and
 ``top_k_weights`` equal (``torch.equal``) a loop that runs, for every hit expert, an ``EmulatedLinear`` whose
@@ -39,8 +40,15 @@ weight is ``gate_up_proj[e]`` and one whose weight is ``down_proj[e]`` (named ``
 The router (``MixtralTopKRouter`` & co: ``weight`` [E, H] through ``F.linear`` and a softmax/top-k) is not part of
 this module and is left in float32: it is a tiny GEMM (N = E) whose output decides, through a discrete top-k,
 where every token goes; quantization noise there flips routing decisions and load balance rather than adding
-small errors, and production FP8 MoE training (DeepSeek-V3, TransformerEngine) keeps it in high precision too.
+small errors; DeepSeek-V3's FP8 training keeps its MoE gating in BF16/FP32 for the same reason.
 Convert it explicitly if a recipe wants it emulated.
+
+Which original: transformers dispatches an experts module's forward on ``config._experts_implementation``
+("eager", "grouped_mm" -- the default where it can run, CPU included --, "batched_mm").  This module always computes
+the eager loop above (per-expert ``F.linear``, ``index_add_``); the float32 recipe reproduces the eager loop's
+output and gradients bit for bit.  grouped_mm and batched_mm sum a token's k expert outputs in another order
+(``.sum(dim=1)`` instead of ``index_add_`` expert by expert); on CPU the tiny Mixtral's grouped_mm output equals
+the eager loop's for k = 2 and is a few ulps apart for k = 4.
 
 Stochastic rounding: one random stream per expert GEMM operand, ``(seed, "{name}.{e}.{proj}", GEMM, operand,
 step)`` with one step counter for the whole module (buffer ``lp_step``, advanced once per training forward, for
@@ -107,7 +115,10 @@ class _ExpertGemm:
 
     def __init__(self, parent: EmulatedExperts, proj: str, e: int) -> None:
         self.parent, self.proj, self.e = parent, proj, e
-        self._delayed = parent._delayed
+
+    @property
+    def _delayed(self) -> dict[str, int]:
+        return self.parent._delayed
 
     @property
     def recipe(self) -> LinearRecipe:
