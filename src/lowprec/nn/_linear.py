@@ -361,7 +361,16 @@ class EmulatedLinear(nn.Linear):
                     self._amax_started.add(role)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    transposed_weight: bool = False
+    """False: ``weight`` is stored [out, in] = [N, K] as in ``nn.Linear``.  ``EmulatedConv1D`` stores it [K, N]."""
+
+    def linear_weight(self) -> torch.Tensor:
+        """The weight as the GEMMs see it, [out, in] = [N, K] (``weight`` itself here; a transposed view in
+        ``EmulatedConv1D``).  Code that reads the weight of any emulated linear should use this."""
+        return self.weight
+
+    def _step_keys(self) -> Keys | None:
+        """This call's random keys (stochastic operands only); advances ``lp_step`` in training mode."""
         keys = None
         if self._stochastic:
             step = self._buffers["lp_step"]
@@ -374,6 +383,10 @@ class EmulatedLinear(nn.Linear):
                 self._buffers["lp_step"] = step
             dev = step.device
             keys = {k: _random.derive_keys(base.to(dev), step) for k, base in self._base_keys.items()}
+        return keys
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = self._step_keys()
         return _LinearFn.apply(x, self.weight, self.bias, _Ctx(self, keys))  # type: ignore[no-any-return]
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -385,3 +398,72 @@ class EmulatedLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", lowprec={self.lowprec_name or 'linear'}"
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2, GPT, ...), recognised without importing transformers:
+    the class is named ``Conv1D``, defined in a ``transformers`` module, and its ``weight`` is 2-D."""
+    cls = type(module)
+    weight = getattr(module, "weight", None)
+    return (cls.__name__ == "Conv1D" and cls.__module__.split(".")[0] == "transformers"
+            and isinstance(weight, torch.Tensor) and weight.dim() == 2)
+
+
+class EmulatedConv1D(EmulatedLinear):
+    """transformers' ``Conv1D`` with recipe-emulated GEMMs.  Build with ``from_conv1d`` (or ``lowprec.convert``).
+
+    Why it is a linear with weight W^T: despite its name, ``Conv1D`` (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``) is
+    a dense layer whose weight is stored transposed, ``W: [in, out] = [K, N]``, and whose forward is
+    ``addmm(bias, x, W)``, i.e. ``y = x @ W + b``.  That is exactly ``nn.Linear`` with weight ``W^T: [N, K]``, so the
+    three GEMMs here are those of ``EmulatedLinear`` run on ``W^T`` (a contiguous transposed copy each call, so the
+    bits equal those of an ``EmulatedLinear`` holding ``W^T``): forward ``Q(x) @ Q(W^T)^T``, grad_input
+    ``Q(dY) @ Q(W)^T`` and grad_weight ``Q(dY^T) @ Q(x^T)^T``, whose [N, K] result autograd transposes back onto
+    ``W`` (transposing is exact).  The module keeps ``Conv1D``'s Parameter objects and layout, so optimizer state
+    and state dicts (keys and shapes) are those of the unconverted model; ``to_conv1d`` gives the original class
+    back.  ``in_features``/``out_features`` follow ``nn.Linear`` (``nx``/``nf``); ``linear_weight()`` is the [N, K]
+    view, which is what code treating every emulated linear alike should read instead of ``weight``.
+    """
+
+    transposed_weight = True
+    nf: int
+    nx: int
+    _conv1d_class: type[nn.Module]
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, recipe: LinearRecipe, *, seed: int = 0,
+                    name: str = "") -> EmulatedConv1D:
+        """An EmulatedConv1D sharing ``conv``'s Parameter objects (no copy); ``conv`` is a transformers Conv1D."""
+        if not is_hf_conv1d(conv):
+            raise UsageError(f"from_conv1d needs a transformers Conv1D; got {type(conv).__name__}")
+        weight = conv.weight
+        assert isinstance(weight, torch.Tensor)
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.nx, new.nf = weight.shape
+        new.in_features, new.out_features = new.nx, new.nf
+        new.weight = weight  # type: ignore[assignment]  # the same Parameter, [K, N]
+        new.bias = conv.bias  # type: ignore[assignment]
+        new._conv1d_class = type(conv)
+        _copy_module_state(conv, new)
+        new._setup(recipe, seed, name)
+        return new
+
+    def to_conv1d(self) -> nn.Module:
+        """A module of the original ``Conv1D`` class sharing this module's Parameter objects."""
+        conv: Any = self._conv1d_class.__new__(self._conv1d_class)
+        nn.Module.__init__(conv)
+        conv.nf, conv.nx = self.nf, self.nx
+        conv.weight, conv.bias = self.weight, self.bias
+        _copy_module_state(self, conv)
+        return conv  # type: ignore[no-any-return]
+
+    def linear_weight(self) -> torch.Tensor:
+        return self.weight.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = self._step_keys()
+        w_t = self.weight.t().contiguous()  # [N, K], laid out as an nn.Linear weight: the same GEMM bits
+        return _LinearFn.apply(x, w_t, self.bias, _Ctx(self, keys))  # type: ignore[no-any-return]
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}, bias={self.bias is not None}, lowprec={self.lowprec_name or 'conv1d'}"
