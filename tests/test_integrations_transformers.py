@@ -213,3 +213,27 @@ def test_missing_final_eval_warns(tmp_path: Path) -> None:
 def test_import_lowprec_does_not_import_transformers() -> None:
     code = "import sys, lowprec, lowprec.integrations, lowprec.runs; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# The example leaves dataloader_pin_memory at its default (True), on which torch warns on a machine without GPU.
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator is found:UserWarning")
+def test_docs_trainer_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/own-loop.md's Trainer example runs as written (fewer steps, CPU, the test's tiny BERT and data for the
+    names it leaves to the reader) and records one completed run with its eval metrics at the last step."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "own-loop.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "transformers import" in b]
+    code = block.replace("max_steps=500", "max_steps=6").replace("eval_steps=100", "eval_steps=6")
+    assert code.count("=6") == 2, "the example's max_steps=500 / eval_steps=100 changed: update this test"
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "docs_trainer_example", "seed": 3, "data_hash": "tokens-1",
+                                 "model": make_model(3), "train": Tokens(64, 1), "held_out": Tokens(16, 2),
+                                 "accuracy": accuracy_of}
+    exec(compile(code, "docs/own-loop.md", "exec"), namespace)  # noqa: S102
+    with RunStore(tmp_path / "runs.db", create=False) as store:
+        (rec,) = store.list_runs(group="my-fp8")
+        assert rec.status == "completed" and rec.manifest["seed"] == 3
+        scalars = store.scalars(rec.run_id)
+        assert list(scalars["train/loss"][0]) == [1, 2, 3, 4, 5, 6]
+        assert list(scalars["eval/accuracy"][0]) == [6] and rec.config["recipe"] == "fp8-tensorwise"
