@@ -13,10 +13,10 @@ values are computed every step anyway, so the check is free.  Before the optimiz
 optimizer state still those of the step's start) the run then replays the step under
 ``lowprec.numerics.localize_nonfinite`` and records a ``nonfinite`` event naming the first module,
 tensor role and value summary; under data parallelism every rank replays its own shard and the event names the
-rank whose replay failed first (see ``_gather_localizations``).  For the replay to be exact, each step starts with
-a snapshot of what a forward/backward changes besides gradients: the module buffers (amax histories,
-stochastic-rounding counters, batch-norm statistics) and the CPU random generator; the batch is a pure function of
-(seed, step).  See ``docs/debugging.md`` for the measured cost.
+rank whose replay failed first.  For the replay to be exact, each step starts with a snapshot of what a
+forward/backward changes besides gradients: the module buffers (amax histories, stochastic-rounding counters,
+batch-norm statistics) and the CPU random generator; the batch is a pure function of (seed, step).  See
+``docs/debugging.md`` for the measured cost.  The replay and the snapshot are ``_replay``'s.
 
 Every batch follows the zoo's batch contract (``lowprec.runs.zoo.batch_loss``: a dict calls ``model(**batch)``, a
 tuple ``(*inputs, target)`` calls ``model(*inputs)``) and is moved, with the model, to the config's ``device``
@@ -30,39 +30,37 @@ or Ctrl-C marks the run as failed with the reason, and re-raises.
 
 What is not PyTorch (resolving the config, creating or resuming the store run, which steps evaluate and save,
 the records, finishing or failing) is ``_lifecycle``'s, shared with the JAX runner; ``train`` is the one place
-that dispatches by framework, importing ``_jax_runner`` (and jax) only for ``framework = "jax"``.
+that dispatches by framework, importing ``_jax_runner`` (and jax) only for ``framework = "jax"``.  The PyTorch
+state a step trains (``State``), saving it in checkpoints and resuming from them are ``_torch_state``'s; this
+module is the training loop.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import gc
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._errors import UsageError
-from ..nn import EmulatedLinear, convert
+from ..nn import convert
 from ..optim import LowPrecisionOptimizer
-from ._checkpoint import checkpoint_digest, checkpoint_dir, load_checkpoint, save_checkpoint
 from ._config import RunConfig
-from ._lifecycle import ResolvedConfig, RunLifecycle, import_dir, resolve, resolve_for_task, run_manifest, warn_resume
+from ._lifecycle import ResolvedConfig, RunLifecycle, import_dir, resolve, resolve_for_task, run_manifest
 from ._lifecycle import build_task as build_task  # re-exported: lowprec.runs, the CLI and the seeds helpers use it
-from ._parallel import World, Wrapped, resolve_device, unwrap, world_device, wrap_model
-from ._resume import Candidate, ResumePoint, check_resumable, choose, record_checkpoint
-from ._store import RunRecord, RunStore
+from ._parallel import World, resolve_device, unwrap, world_device, wrap_model
+from ._replay import gather_localizations, replay_step
+from ._resume import check_resumable
+from ._store import RunStore
+from ._torch_state import SHARDED, State, restore_state, save_state
 from .zoo import Task, batch_loss, to_device
-
-SHARDED = ("fsdp2", "hsdp")
-"""Layouts whose checkpoints are sharded (torch.distributed.checkpoint)."""
 
 
 def _check_fallback(config: RunConfig, world: World | None = None) -> None:
+    """Refuse a recipe ``fallback`` policy under a sharded layout (FSDP2/HSDP)."""
     if config.parallel.strategy in SHARDED or (world is not None and world.strategy in SHARDED):
         raise UsageError(f"recipe.fallback (automatic per-layer fallback) works in single-process and DDP runs, not "
                          f"with parallel.strategy = {config.parallel.strategy!r}: FSDP2 shards each weight for the "
@@ -96,175 +94,8 @@ def _grad_norm_and_clip(params: list[torch.Tensor], scale: float, clip: float) -
     return norm
 
 
-@dataclasses.dataclass
-class _State:
-    model: torch.nn.Module
-    """The module as trained (DistributedDataParallel under "ddp", fully sharded under "fsdp2")."""
-    optimizer: LowPrecisionOptimizer
-    world: World
-    wrapped: Wrapped
-    step: int = 0
-    observer: Any = None
-    """``lowprec.numerics.StatsObserver`` on rank 0 when ``config.stats.every`` is set."""
-    snapshot: _Snapshot = dataclasses.field(default_factory=lambda: _Snapshot())
-    """The start of the current step, for replaying it."""
-    fallback: Any = None
-    """``lowprec.numerics.FallbackController`` when the recipe has a ``fallback`` policy (on every rank: rank 0
-    decides from its statistics and every replica applies the decision)."""
-    sample_every: int = 0
-    """The statistics' sampling interval (steps ``s`` with ``s % sample_every == 0`` are sampled; 0: off)."""
-    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
-    """Where the model and every batch live (``world_device``)."""
-
-
-def _full_state(st: _State) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(model, optimizer) state of an unsharded layout (single process or DDP replicas)."""
-    return unwrap(st.model).state_dict(), st.optimizer.state_dict()
-
-
-def _load_full_state(st: _State, model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> None:
-    if st.world.strategy not in SHARDED:
-        unwrap(st.model).load_state_dict(model_sd)
-        st.optimizer.load_state_dict(opt_sd)
-        return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    o = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(st.model, model_sd, options=o)
-    set_optimizer_state_dict(st.model, st.optimizer.optimizer, opt_sd["optimizer"], options=o)
-    st.optimizer.load_state_dict({**opt_sd, "optimizer": None})
-
-
-
-def _checkpoint(r: ResolvedConfig, run_id: str, st: _State, store: RunStore) -> None:
-    """Single/DDP: rank 0 saves the full state (replicas are identical) in one checksummed file.  FSDP2/HSDP: every
-    rank saves its shards with torch.distributed.checkpoint.  Either kind resumes on any world size and layout.
-    The files go next to the store that holds the run, and rank 0 records each one's digest in it (``_resume``)."""
-    directory = checkpoint_dir(store.path, run_id)
-    extra = {"run_id": run_id, "step": st.step, "torch_rng": torch.get_rng_state(), "config": r.config.to_dict(),
-             "world_size": st.world.size, "fallback": st.fallback.state_dict() if st.fallback is not None else None}
-    if st.world.strategy in SHARDED:
-        from ._dcp import manifest_digest, save_sharded
-
-        path = save_sharded(directory, st.step, st.model, st.optimizer, extra, keep=r.checkpoint_keep,
-                            is_main=st.world.is_main)
-        if st.world.is_main:
-            record_checkpoint(store, run_id, st.step, "sharded", manifest_digest(path))
-        return
-    model_sd, opt_sd = _full_state(st)
-    if st.world.is_main:
-        path = save_checkpoint(directory, st.step, {**extra, "model": model_sd, "optimizer": opt_sd},
-                               keep=r.checkpoint_keep)
-        record_checkpoint(store, run_id, st.step, "file", checkpoint_digest(path))
-
-
-_STATE_KEYS = ("run_id", "step", "torch_rng", "model", "optimizer")
-
-
-def _check_file_state(state: dict[str, Any], c: Candidate, run_id: str) -> None:
-    """``ValueError`` unless ``state`` (a verified file checkpoint) is a PyTorch checkpoint of step ``c.step`` of
-    ``run_id`` with every part the runner loads."""
-    where = f"checkpoint {str(c.path)!r}"
-    if state.get("framework", "torch") != "torch":
-        raise UsageError(f"{where} was written by a framework = {state.get('framework')!r} run; resume it with that "
-                         f"framework (lowprec run --resume {run_id} picks the run's own)")
-    missing = [k for k in _STATE_KEYS if k not in state]
-    if missing:
-        raise UsageError(f"{where} is not a lowprec training checkpoint (it has no {', '.join(missing)})")
-    if state["run_id"] != run_id:
-        raise UsageError(f"{where} belongs to run {state['run_id']!r}, not {run_id!r}")
-    if state["step"] != c.step:
-        raise UsageError(f"{where} holds step {state['step']!r}, not the step {c.step} its name says")
-
-
-def _load_file_state(st: _State, state: dict[str, Any]) -> None:
-    if st.fallback is not None:  # swap the fallen-back layers first: their buffers are in the state dict
-        st.fallback.load_state_dict(state.get("fallback") or {})
-    _load_full_state(st, state["model"], state["optimizer"])
-    torch.set_rng_state(state["torch_rng"])
-
-
-def _pick(st: _State, store: RunStore, record: RunRecord, directory: Path, *,
-          allow_restart: bool) -> ResumePoint:
-    """Rank 0: where the run continues.  Outside FSDP2/HSDP a file checkpoint is tried by loading it into this
-    process's model and optimizer (a file whose checksum verifies but whose state does not fit is skipped like a
-    corrupted one); when every candidate fails, the initial state is put back."""
-    from ._dcp import verify
-
-    trial = st.world.strategy not in SHARDED
-    initial: tuple[dict[str, Any], dict[str, Any], Any] | None = None
-
-    def usable(c: Candidate) -> Any:
-        nonlocal initial
-        if c.kind == "sharded":
-            verify(c.path)
-            return None
-        state = load_checkpoint(c.path)
-        _check_file_state(state, c, record.run_id)
-        if trial:
-            if initial is None:
-                model_sd, opt_sd = _full_state(st)
-                initial = (copy.deepcopy(model_sd), copy.deepcopy(opt_sd), torch.get_rng_state())
-            try:
-                _load_file_state(st, state)
-            except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
-                raise UsageError(f"checkpoint {str(c.path)!r} verifies but does not fit this run's model and "
-                                 f"optimizer: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        return state
-
-    point = choose(store, record, directory, usable, allow_restart=allow_restart)
-    if point.candidate is None and initial is not None:
-        _load_full_state(st, initial[0], initial[1])
-        torch.set_rng_state(initial[2])
-    return point
-
-
-def _restore(life: RunLifecycle, run_id: str, st: _State, *, allow_restart: bool) -> None:
-    """Continue ``run_id`` where ``_resume.choose`` says (rank 0 decides; every rank loads), reopen it in the
-    store from that step and record a "resumed" event."""
-    from ._dcp import load_sharded
-
-    store = life.store
-    directory = checkpoint_dir(store.path, run_id)
-    picked: Any = None
-    loaded: Any = None
-    if st.world.is_main:
-        try:
-            point = _pick(st, store, store.get_run(run_id), directory, allow_restart=allow_restart)
-            c, loaded = point.candidate, point.loaded
-            picked = (point.step, c.kind if c else "none", c.path if c else None, point.problems, point.discarded)
-        except ValueError as e:
-            picked = str(e)
-    picked = st.world.broadcast(picked)
-    if isinstance(picked, str):  # every rank raises the same error
-        raise UsageError(picked)
-    step, kind, path, problems, discarded = picked
-    if st.world.is_main:
-        warn_resume(run_id, problems, discarded)
-    state: dict[str, Any] | None = None
-    if kind == "file":
-        if st.world.is_main and st.world.strategy not in SHARDED:
-            state = loaded  # loaded into this process's model and optimizer by _pick
-        else:
-            state = load_checkpoint(path)
-            _load_file_state(st, state)
-    elif kind == "sharded":
-        state = load_sharded(path, st.model if st.world.strategy in SHARDED else unwrap(st.model), st.optimizer)
-        if state.get("run_id") != run_id:
-            raise UsageError(f"checkpoint of step {step} belongs to run {state.get('run_id')!r}, not {run_id!r}")
-        torch.set_rng_state(state["torch_rng"])
-    if state is not None:
-        st.step = int(state["step"])
-    if st.world.is_main:
-        life.resumed(run_id, st.step, world_size=st.world.size, checkpoint_world_size=(state or {}).get("world_size"),
-                     checkpoint=kind, skipped=list(problems), discarded_steps=discarded)
-
-
 def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
+    """The task's metrics of ``model`` (in eval mode, without gradients) as ``eval/<metric>`` scalars."""
     model.eval()
     with torch.no_grad():
         metrics = task.evaluate(model)
@@ -272,7 +103,7 @@ def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
     return {f"eval/{k}": float(v) for k, v in metrics.items()}
 
 
-def _forward_backward(task: Task, st: _State, r: ResolvedConfig, batch: int, *,
+def _forward_backward(task: Task, st: State, r: ResolvedConfig, batch: int, *,
                       replay: bool = False) -> tuple[torch.Tensor, float]:
     """Forward and backward of batch ``batch`` (0-based), gradient norm and clipping: (local loss, norm).
 
@@ -290,101 +121,7 @@ def _forward_backward(task: Task, st: _State, r: ResolvedConfig, batch: int, *,
     return loss, _grad_norm_and_clip(params, st.optimizer.scaler.scale, r.grad_clip)
 
 
-class _Snapshot:
-    """What a forward/backward changes besides gradients: the module buffers (copied into storage kept between
-    steps: one ``_foreach_copy_``), the CPU random state, and which delayed-scaling roles of each
-    ``EmulatedLinear`` have started (a Python set: on a role's first training step a data-parallel run MAX-reduces
-    its current amax, so a replay of that step must do so again).  Parameters and optimizer state need no copy: the
-    check runs before the optimizer step."""
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
-        self.rng = torch.empty(0, dtype=torch.uint8)
-        self.started: list[tuple[EmulatedLinear, frozenset[str]]] = []
-
-    def take(self, model: torch.nn.Module) -> None:
-        bufs = [b.detach() for b in model.buffers()]
-        if len(bufs) != len(self.buffers) or any(a.shape != b.shape or a.dtype != b.dtype
-                                                 for a, b in zip(bufs, self.buffers, strict=True)):
-            self.buffers = [b.clone() for b in bufs]  # first step, or buffers changed (a fallback)
-        elif bufs:
-            torch._foreach_copy_(self.buffers, bufs)
-        self.rng = torch.get_rng_state()
-        self.started = [(m, frozenset(m._amax_started)) for m in model.modules()
-                        if isinstance(m, EmulatedLinear) and m._delayed]
-
-    def restore(self, model: torch.nn.Module) -> None:
-        with torch.no_grad():
-            for b, saved in zip(model.buffers(), self.buffers, strict=True):
-                b.copy_(saved)
-        torch.set_rng_state(self.rng)
-        for m, started in self.started:
-            m._amax_started = set(started)
-
-
-def _same(a: float, b: float) -> bool:
-    return a == b or (math.isnan(a) and math.isnan(b))
-
-
-def _replay(task: Task, st: _State, r: ResolvedConfig, snap: _Snapshot, loss: float, norm: float) -> dict[str, Any]:
-    """Restore the step's start (``snap``; parameters and optimizer state are untouched before the optimizer step)
-    and run it again under ``localize_nonfinite``: the "nonfinite" event payload of this rank.  Afterwards the
-    original step's gradients, buffers and random state are put back, so the replay changes nothing that follows.
-
-    ``replay_exact`` says whether the replay reproduced the step: the same loss and gradient norm in one process;
-    under data parallelism this rank's loss (the replay's gradients are this rank's own, not all-reduced)."""
-    from ..numerics import localize_nonfinite
-
-    model = unwrap(st.model)
-    after = _Snapshot()
-    after.take(model)
-    params = [p for g in st.optimizer.param_groups for p in g["params"]]
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    snap.restore(model)
-    got: list[tuple[torch.Tensor, float]] = []
-
-    def run_step() -> torch.Tensor:
-        got.append(_forward_backward(task, st, r, st.step, replay=True))
-        return got[-1][0]
-
-    try:
-        loc = localize_nonfinite(model, run_step, step=st.step + 1)
-    finally:
-        after.restore(model)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-    r_loss, r_norm = float(got[0][0].detach()), got[0][1]
-    payload: dict[str, Any] = loc.to_dict() if loc is not None else {
-        "module": None, "role": None, "step": st.step + 1,
-        "detail": "no tensor of the step was non-finite (e.g. the gradient norm overflowed from finite gradients)"}
-    exact = _same(loss, r_loss) and (st.world.distributed or _same(norm, r_norm))
-    payload.update(found=loc is not None, loss=repr(loss), grad_norm=repr(norm), replay_exact=exact)
-    return payload
-
-
-def _gather_localizations(world: World, payload: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0: the event payload of a data-parallel replay, from every rank's own.  A fault on one rank spreads to
-    all (the mean loss, the all-reduced gradients), so the ranks' replays are compared: the reported hit is the
-    earliest by phase (forward, then the loss, then backward), the lowest rank on a tie; ``rank`` names it and
-    ``ranks`` lists every rank whose replay found a non-finite tensor, with its one-line description."""
-    if not world.distributed:
-        return payload
-    import torch.distributed as dist
-
-    from ..numerics._localize import describe_payload
-
-    payload = {**payload, "rank": world.rank}
-    everyone: list[Any] = [None] * world.size
-    dist.all_gather_object(everyone, payload)
-    found = [p for p in everyone if p["found"]]
-    order = {"forward": 0, "loss": 1, "backward": 2}
-    best = min(found, key=lambda p: (order.get(p["phase"], 3), p["rank"])) if found else everyone[0]
-    return {**best, "world_size": world.size, "ranks": {str(p["rank"]): describe_payload(p) for p in found}}
-
-
-def _train_step(task: Task, st: _State, r: ResolvedConfig, lr: float) -> tuple[dict[str, float], dict | None]:
+def _train_step(task: Task, st: State, r: ResolvedConfig, lr: float) -> tuple[dict[str, float], dict | None]:
     """One optimizer step: (scalars to log, None or the "nonfinite" payload when the loss or gradient norm is
     non-finite)."""
     t0 = time.perf_counter()
@@ -403,7 +140,9 @@ def _train_step(task: Task, st: _State, r: ResolvedConfig, lr: float) -> tuple[d
     # all-reduced (DDP) or sharded (FSDP2) gradients
     if not math.isfinite(global_loss) or (not math.isfinite(norm) and not st.optimizer.scaler.enabled):
         t1 = time.perf_counter()
-        bad = _gather_localizations(st.world, _replay(task, st, r, snap, float(loss.detach()), norm))
+        payload = replay_step(st, snap, float(loss.detach()), norm,
+                              lambda: _forward_backward(task, st, r, st.step, replay=True))
+        bad = gather_localizations(st.world, payload)
         if st.wrapped.comm_bytes is not None:
             st.wrapped.comm_bytes()  # drop what the replay's all-gathers added (FSDP2)
         replay_s = time.perf_counter() - t1
@@ -416,7 +155,7 @@ def _train_step(task: Task, st: _State, r: ResolvedConfig, lr: float) -> tuple[d
     return out, bad
 
 
-def _share_fallbacks(st: _State) -> None:
+def _share_fallbacks(st: State) -> None:
     """DDP with a fallback policy, after a sampled step: every replica applies rank 0's decisions (rank 0 samples
     the statistics of its batch shard), so the replicas keep computing the same arithmetic."""
     if st.fallback is None or not st.world.distributed or not st.sample_every or (st.step - 1) % st.sample_every:
@@ -426,7 +165,7 @@ def _share_fallbacks(st: _State) -> None:
         st.fallback.apply(decided)
 
 
-def _loop(task: Task, st: _State, life: RunLifecycle) -> bool:
+def _loop(task: Task, st: State, life: RunLifecycle) -> bool:
     """Train to ``steps`` through ``life.drive``; True when the run diverged (stopped at a non-finite loss or
     gradient norm)."""
     r, store = life.r, life.store
@@ -447,7 +186,7 @@ def _loop(task: Task, st: _State, life: RunLifecycle) -> bool:
                                 payload={**event, "applies_from_step": step + 1})
 
     return life.drive(step_fn, evaluate=lambda step: _evaluate(task, unwrap(st.model)),
-                      save=lambda step: _checkpoint(r, life.run_id, st, store), before_log=before_log,
+                      save=lambda step: save_state(r, life.run_id, st, store), before_log=before_log,
                       after_log=lambda step: _share_fallbacks(st))
 
 
@@ -463,7 +202,7 @@ def _exists(store: RunStore, run_id: str) -> bool:
         raise
 
 
-def _open_run(life: RunLifecycle, task: Task, st: _State, *, resume: str | None, run_id: str | None,
+def _open_run(life: RunLifecycle, task: Task, st: State, *, resume: str | None, run_id: str | None,
               allow_restart: bool) -> str:
     """Create the run (rank 0), or continue it from its newest usable checkpoint when resuming or when a restarted
     torchrun worker group finds its run already in the store.  Every rank returns the same run id (a refusal on
@@ -499,7 +238,7 @@ def _open_run(life: RunLifecycle, task: Task, st: _State, *, resume: str | None,
                                        config_dir=import_dir(life.r.config)), run_id=rid)
     rid = w.broadcast(rid)
     if not create:
-        _restore(life, rid, st, allow_restart=allow_restart)
+        restore_state(life, rid, st, allow_restart=allow_restart)
     w.barrier()
     return str(rid)
 
@@ -545,7 +284,7 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
     r = resolve_for_task(config, task, seed)
     recipe = r.config.recipe
     wrapped = wrap_model(convert(task.model, recipe).to(device), recipe, world)
-    st = _State(model=wrapped.model, optimizer=make_optimizer(r, wrapped.model), world=world, wrapped=wrapped,
+    st = State(model=wrapped.model, optimizer=make_optimizer(r, wrapped.model), world=world, wrapped=wrapped,
                 device=device)
     if recipe.fallback is not None:
         _check_fallback(r.config, world)
