@@ -3,7 +3,9 @@
 from ._named import PROFILES as PROFILES
 from ._named import get as get
 from ._named import names as names
+from ._named import with_attention as with_attention
 from ._recipe import Accumulator as Accumulator
+from ._recipe import Attention as Attention
 from ._recipe import Fallback as Fallback
 from ._recipe import Gemm as Gemm
 from ._recipe import GradComm as GradComm
@@ -18,6 +20,7 @@ from ._recipe import Weights as Weights
 __all__ = [
     "PROFILES",
     "Accumulator",
+    "Attention",
     "Fallback",
     "Gemm",
     "GradComm",
@@ -30,4 +33,5 @@ __all__ = [
     "Weights",
     "get",
     "names",
+    "with_attention",
 ]

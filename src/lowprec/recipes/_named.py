@@ -12,6 +12,8 @@ from .._errors import UsageError
 from ..quant._spec import QuantSpec
 from ._recipe import (
     Accumulator,
+    Attention,
+    AttentionGranularity,
     Gemm,
     LinearRecipe,
     LossScaling,
@@ -159,6 +161,41 @@ def nvfp4() -> Recipe:
     return Recipe(name="nvfp4", linear=_linear("nvfp4", "nvfp4", g), keep_high_precision=_KEEP)
 
 
+# ------------------------------------------------------------------------------------------------ attention
+ATTENTION_SUFFIX = "+attn"
+"""``get("<name>+attn")`` is ``with_attention(get("<name>"))`` for every built-in name."""
+
+
+def _attention_gemm(g: Gemm, a: Operand, b: Operand) -> Gemm:
+    return Gemm(a=Operand(spec=a.spec), b=Operand(spec=b.spec), accumulator=g.accumulator,
+                output_format=g.output_format)
+
+
+def with_attention(recipe: Recipe | str, *, granularity: AttentionGranularity = "tensor") -> Recipe:
+    """``recipe`` with emulated attention whose formats follow its linear layers, named ``<name>+attn``.
+
+    Q, K, V and the probabilities P are activations: they take the linear recipe's input spec
+    (``linear.forward.a``) in every GEMM that reads them; the gradients dS and dO take its output-gradient spec
+    (``linear.grad_input.a``).  Each attention GEMM keeps the accumulator and output rounding of the linear GEMM in
+    the same position (forward, grad_input, grad_weight).  So fp8-tensorwise gives e4m3 Q, K, P, V and e5m2
+    gradients, one scale per tensor (``granularity="head"``: per batch and head); mxfp8 gives MX blocks of 32
+    along each GEMM's reduction dimension; bf16 recipes give bf16 operands and outputs; fp32 gives float32
+    attention, bit-identical to PyTorch's math SDPA.  Delayed scaling becomes current scaling (attention keeps no
+    amax history).  The existing built-in recipes are unchanged (their ``attention`` stays None, and so do their
+    hashes): ``get("fp8-tensorwise+attn")`` is ``with_attention(get("fp8-tensorwise"))``.
+    """
+    base = get(recipe)
+    lin = base.linear
+    x, g = lin.forward.a, lin.grad_input.a
+
+    gemms = LinearRecipe(forward=_attention_gemm(lin.forward, x, x), grad_input=_attention_gemm(lin.grad_input, g, x),
+                         grad_weight=_attention_gemm(lin.grad_weight, g, x))
+    import dataclasses
+
+    att = Attention(scores=gemms, values=gemms, granularity=granularity)
+    return dataclasses.replace(base, name=base.name + ATTENTION_SUFFIX, attention=att)
+
+
 # ------------------------------------------------------------------------------------------------ profiles
 def trn_bf16_sr() -> Recipe:
     """Emulation of Trainium-style bf16 training: bf16 GEMM operands and outputs with float32 accumulation, bf16
@@ -220,15 +257,23 @@ PROFILES = ("trn-bf16-sr", "h100-fp8", "b200-mxfp8", "b200-nvfp4", "mi300-fp8")
 
 
 def names() -> list[str]:
-    """Names of the built-in recipes and hardware profiles."""
+    """Names of the built-in recipes and hardware profiles (each also exists as ``<name>+attn``, see ``get``)."""
     return list(_RECIPES)
 
 
 def get(name: str | Recipe) -> Recipe:
-    """The built-in recipe ``name`` (a Recipe is returned as is); ValueError listing the names otherwise."""
+    """The built-in recipe ``name`` (a Recipe is returned as is); ValueError listing the names otherwise.
+
+    ``"<name>+attn"`` (e.g. "fp8-tensorwise+attn", "mxfp8+attn", "bf16-sr+attn") is ``with_attention(<name>)``:
+    the same recipe with emulated attention in its formats.  These variants are derived, not listed by ``names``.
+    """
     if isinstance(name, Recipe):
         return name
     fn = _RECIPES.get(name) if isinstance(name, str) else None
+    if fn is None and isinstance(name, str) and name.endswith(ATTENTION_SUFFIX):
+        if name[: -len(ATTENTION_SUFFIX)] in _RECIPES:
+            return with_attention(name[: -len(ATTENTION_SUFFIX)])
     if fn is None:
-        raise UsageError(f"unknown recipe {name!r}; valid names: {', '.join(_RECIPES)}")
+        raise UsageError(f"unknown recipe {name!r}; valid names: {', '.join(_RECIPES)} (each also as "
+                         f"'<name>{ATTENTION_SUFFIX}', with emulated attention)")
     return fn()

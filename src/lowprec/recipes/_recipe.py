@@ -40,6 +40,8 @@ AccumulatorRounding = Literal["nearest", "toward_zero"]
 """``Accumulator.rounding``: rounding of each accumulation step."""
 WireRounding = Literal["nearest", "stochastic"]
 """``GradComm.rounding``: rounding of gradients onto the wire."""
+AttentionGranularity = Literal["tensor", "head"]
+"""``Attention.granularity``: what one scale covers for an operand whose spec has ``scaling="tensor"``."""
 
 _MAX_INT = 1 << 30
 
@@ -298,6 +300,55 @@ class Fallback:
         return get(self.to).linear
 
 
+ATTENTION_GEMMS: tuple[str, ...] = ("scores", "values")
+"""The GEMMs of attention, in the order they run (``Attention`` fields)."""
+
+
+def _check_attention_gemms(lin: object, field: str) -> None:
+    if not isinstance(lin, LinearRecipe):
+        raise UsageError(f"{field} must be a LinearRecipe; got {type(lin).__name__}")
+    for (g, o), op in lin.operands().items():
+        if op.scaling.kind == "delayed":
+            raise UsageError(f"{field}.{g}.{o}: delayed scaling is not supported in attention (it keeps no amax "
+                             "history); use current scaling (Scaling())")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Attention:
+    """How scaled dot-product attention is emulated: its two GEMMs, each a ``LinearRecipe`` (three GEMMs with
+    backward), with ``O = softmax(Q K^T * scale + mask) V`` per (batch, head)::
+
+        scores   S = Q' @ K'^T   [L,E] @ [E,S]     Q' = Q*sqrt(scale), K' = K*sqrt(scale) (PyTorch's math order)
+          forward      a = Q' [L,E],    b = K' [S,E]      (b is K'^T in the weight's place: reduction dim E last)
+          grad_input   a = dS [L,S],    b = K'^T [E,S]    dQ' = dS @ K'
+          grad_weight  a = dS^T [S,L],  b = Q'^T [E,L]    dK' = dS^T @ Q'
+        values   O = P @ V     [L,S] @ [S,E]     P = softmax(S + mask), float32 always
+          forward      a = P [L,S],     b = V^T [E,S]
+          grad_input   a = dO [L,E],    b = V [S,E]       dP = dO @ V^T
+          grad_weight  a = dO^T [E,L],  b = P^T [S,L]     dV = P^T @ dO   (computed as (dO^T @ P)^T)
+
+    As everywhere in lowprec, each operand is quantized with its reduction dimension last, so a block spec
+    (MX: 32 elements) puts its blocks along E for Q and K, along the key positions S for P and V^T.  The softmax,
+    the mask and the scale run in float32 whatever the recipe: they are elementwise or row reductions that
+    hardware attention kernels keep in float32 registers; only the GEMM operands go through low-precision
+    formats.  Attention is stateless: no delayed scaling, and stochastic operands draw from ``Recipe.seed``.
+    """
+
+    scores: LinearRecipe = LinearRecipe()
+    """``S = Q K^T`` (the GEMM roles are in the class docstring)."""
+    values: LinearRecipe = LinearRecipe()
+    """``O = P V``."""
+    granularity: AttentionGranularity = "tensor"
+    """For operands whose spec has ``scaling="tensor"``: "tensor": one scale for the whole [B, H, L, E] operand;
+    "head": one scale per (batch, head) matrix.  Block, axis and tile specs always scale within each matrix,
+    along the reduction dimension ("per block")."""
+
+    def __post_init__(self) -> None:
+        for field in ATTENTION_GEMMS:
+            _check_attention_gemms(getattr(self, field), f"Attention.{field}")
+        check_literal(self.granularity, "Attention.granularity", AttentionGranularity)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Everything about the numerics of a training run.  Plain data; see the module docstring."""
@@ -320,6 +371,9 @@ class Recipe:
     """Data-parallel gradient communication format (None: float32 all-reduce)."""
     fallback: Fallback | None = None
     """Opt-in automatic per-layer fallback to a higher-precision recipe (None: off; left out of the hash then)."""
+    attention: Attention | None = None
+    """Emulated attention (``lowprec.nn.emulate_attention``); None: attention is not emulated and runs in the
+    model's own dtype and kernel (left out of the hash then, so recipes without it keep their hashes)."""
 
     def __post_init__(self) -> None:
         check_str(self.name, "Recipe.name")
@@ -338,6 +392,8 @@ class Recipe:
         check_int(self.seed, "Recipe.seed", 0, (1 << 63) - 1)
         if self.fallback is not None and not isinstance(self.fallback, Fallback):
             raise UsageError(f"Recipe.fallback must be a Fallback or None; got {type(self.fallback).__name__}")
+        if self.attention is not None and not isinstance(self.attention, Attention):
+            raise UsageError(f"Recipe.attention must be an Attention or None; got {type(self.attention).__name__}")
 
     # ------------------------------------------------------------------------------------------- serialising
     def to_dict(self) -> dict[str, Any]:

@@ -31,6 +31,9 @@ _NESTED: dict[tuple[type, str], type] = {
     (R.Recipe, "loss_scaling"): R.LossScaling,
     (R.Recipe, "grad_comm"): R.GradComm,
     (R.Recipe, "fallback"): R.Fallback,
+    (R.Recipe, "attention"): R.Attention,
+    (R.Attention, "scores"): R.LinearRecipe,
+    (R.Attention, "values"): R.LinearRecipe,
 }
 _SPEC_FIELDS = {(R.Operand, "spec"), (R.OptimizerState, "exp_avg"), (R.OptimizerState, "exp_avg_sq"),
                 (R.OptimizerState, "grad"), (R.GradComm, "spec")}
