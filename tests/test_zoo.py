@@ -52,7 +52,7 @@ def _sgd_losses(task: Task, steps: int) -> torch.Tensor:
 
 def test_names_lists_the_four_builtin_tasks_demo_first() -> None:
     # Oracle: the task list of the contract; mlp-digits first because it is the demo task.
-    assert names() == TASKS
+    assert names() == TASKS + ["hf-causal-lm"]  # hf-causal-lm (dict batches) is tested in test_zoo_hf.py
 
 
 @pytest.mark.parametrize("name", TASKS)

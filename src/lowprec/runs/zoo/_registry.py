@@ -32,6 +32,7 @@ from typing import Any
 from ..._errors import UsageError
 from ._declare import ENTRY_POINT_GROUP, is_task, registered, registered_names
 from ._digits import cnn_digits, mlp_digits
+from ._hf import hf_causal_lm
 from ._synthetic import synthetic_regression
 from ._task import Task, check_seed
 from ._text import gpt_bytes
@@ -41,6 +42,7 @@ _TASKS: dict[str, Callable[..., Task]] = {
     "cnn-digits": cnn_digits,
     "gpt-bytes": gpt_bytes,
     "synthetic-regression": synthetic_regression,
+    "hf-causal-lm": hf_causal_lm,
 }
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _FIX = (f"decorate it with @lowprec.runs.zoo.task, or declare it in the {ENTRY_POINT_GROUP!r} entry-point group "
