@@ -40,6 +40,7 @@ ZOO_DEFAULTS = {  # (steps, lr, optimizer, eval_interval, warmup): the make_defa
     "cnn-digits": (400, 3e-3, "adamw", 50, 20),
     "synthetic-regression": (400, 0.02, "sgd", 50, 0),
     "gpt-bytes": (600, 3e-3, "adamw", 100, 50),
+    "hf-causal-lm": (300, 3e-3, "adamw", 100, 30),
 }
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import lowprec
 from lowprec._errors import UsageError
-from lowprec.nn import EmulatedConv1D, EmulatedLinear, conversion_report
+from lowprec.nn import EmulatedConv1D, EmulatedExperts, EmulatedLinear, conversion_report
 
 transformers = pytest.importorskip("transformers")
 
@@ -220,55 +220,87 @@ def test_llama_tied_head_survives_and_keep_rule_applies() -> None:
     assert report.unknown == ()
 
 
-# ------------------------------------------------------------------------------------------------ unknown modules
-MIXTRAL_UNKNOWN = ["model.layers.0.mlp.gate", "model.layers.0.mlp.experts"]
-
-
-def test_mixtral_warns_about_experts_and_router() -> None:
-    """Mixtral's experts (3-D gate_up_proj / down_proj) and router (a 2-D weight used through F.linear) are not
-    converted: one UserWarning names both and the fix; the report lists them as unknown, the attention projections
-    as converted."""
+# ---------------------------------------------------------------------------------------- MoE and unknown modules
+def test_mixtral_converts_its_experts_and_keeps_the_router() -> None:
+    """Mixtral's experts (3-D gate_up_proj / down_proj) are converted (EmulatedExperts, kind "experts"); its router
+    (a 2-D weight used through F.linear) stays float32 by design and is listed as kept, so nothing is warned about.
+    Oracle for the bits: tests/test_nn_experts.py (EmulatedExperts equals a per-expert EmulatedLinear loop)."""
     model = _mixtral()
-    with pytest.warns(UserWarning, match=r"2 module\(s\) that may carry GEMMs were left in float32") as record:
+    ids = _ids()
+    before = model(input_ids=ids, labels=ids).loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lowprec.convert(model, "fp8-tensorwise")
+    report = conversion_report(model)
+    assert report.unknown == ()
+    assert report["model.layers.0.mlp.experts"].kind == "experts"
+    assert report["model.layers.0.mlp.experts"].status == "converted"
+    assert isinstance(model.model.layers[0].mlp.experts, EmulatedExperts)
+    gate = report["model.layers.0.mlp.gate"]
+    assert (gate.kind, gate.status) == ("router", "kept") and "float32 by design" in gate.reason
+    assert {e.name for e in report.converted} == {f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"} | {
+        "model.layers.0.mlp.experts"}
+    loss = model(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss) and not torch.equal(loss, before)
+    loss.backward()
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
+    lowprec.unconvert(model)
+    assert type(model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, before)
+
+
+class _OddExperts(nn.Module):
+    """An expert module of a layout convert does not know (one 3-D weight [E, out, in], dense mixture)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 8, 8) * 0.1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("eoi,bti->bto", self.weight, h) / 4
+
+
+class _Moe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.experts = _OddExperts()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.experts(self.proj(h))
+
+
+def test_unknown_experts_warn_error_or_are_kept() -> None:
+    """An expert module convert does not know warns (naming it, its 3-D parameter and the fix); on_unknown="error"
+    raises UsageError leaving the model untouched; "ignore" converts silently; naming it in keep_high_precision
+    moves it to "kept", no warning."""
+    model = _Moe()
+    with pytest.warns(UserWarning, match=r"1 module\(s\) that may carry GEMMs were left in float32") as record:
         lowprec.convert(model, "fp8-tensorwise")
     assert len(record) == 1
     message = str(record[0].message)
-    for name in MIXTRAL_UNKNOWN:
-        assert name in message
-    assert "MixtralExperts" in message and "3-D parameter gate_up_proj" in message
-    assert "2-D parameter weight" in message and "keep_high_precision" in message
-    report = conversion_report(model)
-    assert sorted(e.name for e in report.unknown) == sorted(MIXTRAL_UNKNOWN)
-    assert {e.name for e in report.converted} == {f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"}
-    assert "2 unknown" in str(report)
-
-
-def test_mixtral_on_unknown_error_and_ignore() -> None:
-    """on_unknown="error" raises UsageError naming the modules and the fix, leaving the model untouched;
-    "ignore" converts silently; listing the modules in keep_high_precision moves them to "kept", no warning."""
-    model = _mixtral()
+    assert "experts (_OddExperts, 3-D parameter weight [4, 8, 8])" in message and "keep_high_precision" in message
+    assert [e.name for e in conversion_report(model).unknown] == ["experts"]
+    assert "1 unknown" in str(conversion_report(model))
+    lowprec.unconvert(model)
     with pytest.raises(UsageError, match="keep_high_precision") as err:
         lowprec.convert(model, "fp8-tensorwise", on_unknown="error")
-    for name in MIXTRAL_UNKNOWN:
-        assert name in str(err.value)
+    assert "experts" in str(err.value)
     assert not any(isinstance(m, EmulatedLinear) for m in model.modules())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lowprec.convert(model, "fp8-tensorwise", on_unknown="ignore")
-        assert len(conversion_report(model).unknown) == 2
+        assert len(conversion_report(model).unknown) == 1
         lowprec.unconvert(model)
         fp8 = lowprec.recipes.get("fp8-tensorwise")
-        recipe = lowprec.Recipe(name="fp8-moe-kept", linear=fp8.linear,
-                                keep_high_precision=(*fp8.keep_high_precision, "*.mlp.gate", "*.mlp.experts"))
+        recipe = lowprec.Recipe(name="fp8-odd-kept", linear=fp8.linear,
+                                keep_high_precision=(*fp8.keep_high_precision, "experts"))
         lowprec.convert(model, recipe)
     report = conversion_report(model)
     assert report.unknown == ()
-    assert {e.name: e.reason for e in report.kept if e.kind == "unknown"} == {
-        "model.layers.0.mlp.gate": "keep_high_precision '*.mlp.gate'",
-        "model.layers.0.mlp.experts": "keep_high_precision '*.mlp.experts'",
-    }
+    assert report["experts"].status == "kept" and report["experts"].reason == "keep_high_precision 'experts'"
     with pytest.raises(ValueError, match="on_unknown"):
-        lowprec.convert(_mixtral(), "fp8-tensorwise", on_unknown="loud")  # type: ignore[arg-type]
+        lowprec.convert(_Moe(), "fp8-tensorwise", on_unknown="loud")  # type: ignore[arg-type]
 
 
 class _Custom(nn.Module):
@@ -319,3 +351,36 @@ def test_keep_types_matches_the_module_itself() -> None:
     report = conversion_report(model)
     assert report["mha"].reason == report["mha.out_proj"].reason == "keep_types 'MultiheadAttention'"
     assert report["proj"].status == "converted"
+
+
+def test_convert_with_attention_emulates_q_k_and_p_v() -> None:
+    """A recipe with attention ("fp8-tensorwise+attn") makes convert switch the transformers model to the "lowprec"
+    attention implementation and the report say how Q K^T and P V run; without it the report says attention is not
+    emulated.  Oracle: the same model converted without attention, then ``emulate_attention`` by hand with the
+    same recipe: equal loss and gradients; unconvert restores sdpa and the float32 loss."""
+    from lowprec.nn import emulate_attention
+
+    ids = _ids()
+    ref = _llama()
+    before = ref(input_ids=ids, labels=ids).loss
+    lowprec.convert(ref, "fp8-tensorwise")
+    assert conversion_report(ref).attention.startswith("not emulated")
+    assert "'fp8-tensorwise+attn' emulates them" in str(conversion_report(ref))
+    no_attn = ref(input_ids=ids, labels=ids).loss
+    assert emulate_attention(ref, lowprec.recipes.get("fp8-tensorwise+attn"))
+    hand = ref(input_ids=ids, labels=ids).loss
+    hand.backward()
+
+    model = _llama()
+    lowprec.convert(model, "fp8-tensorwise+attn")
+    report = conversion_report(model)
+    assert report.attention.startswith("emulated per tensor: scores Q K^T e4m3fn*e4m3fn")
+    assert "softmax float32" in str(report) and model.config._attn_implementation == "lowprec"
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.equal(loss, hand) and not torch.equal(loss, no_attn)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    lowprec.unconvert(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, before)

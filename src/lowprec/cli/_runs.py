@@ -48,13 +48,14 @@ def recipe_arg(ref: str) -> Any:
     from .. import recipes
     from .._parse import parse_json, parse_toml
 
-    if ref in recipes.names():
+    if recipes.is_named(ref):
         return recipes.get(ref)
     p = Path(ref)
     if not p.is_file():
         if p.suffix.lower() in (".toml", ".json") or os.sep in ref:
             raise UsageError(f"--recipe {ref!r}: no such recipe file")
-        raise UsageError(f"--recipe {ref!r} is neither a recipe name ({', '.join(recipes.names())}) nor a recipe "
+        raise UsageError(f"--recipe {ref!r} is neither a recipe name ({', '.join(recipes.names())}, each also "
+                         "as NAME+attn) nor a recipe "
                          "file (RECIPE.toml or .json, e.g. what lowprec autoprecision --out writes)")
     try:
         text = p.read_text(encoding="utf-8")

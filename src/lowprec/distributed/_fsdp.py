@@ -38,7 +38,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from .. import recipes
 from .._errors import UsageError
-from ..nn import EmulatedLinear, convert
+from ..nn import EmulatedExperts, EmulatedLinear, convert
 from ..quant import QuantSpec
 from ..recipes import LinearRecipe, Operand, Recipe
 from ._fsdp_gather import GatherStats, LowpGatherWeight, check_gather_spec
@@ -119,7 +119,10 @@ def _wrap_weight(mod: EmulatedLinear, name: str, spec: QuantSpec, world: int, st
                  explicit: bool) -> bool:
     w = mod.weight
     problem = None
-    if w.dtype != torch.float32:
+    if mod.transposed_weight:
+        problem = ("its weight is stored transposed ([in, out], a transformers Conv1D), and the low-precision "
+                   "gather shards [out, in] rows")
+    elif w.dtype != torch.float32:
         problem = f"its weight is {w.dtype}, not float32 (Recipe.weights.update is not 'master')"
     elif w.dim() != 2 or w.shape[0] % world:
         problem = (f"its {w.shape[0]} rows do not split evenly over {world} ranks (FSDP2 would pad the shard, and "
@@ -226,7 +229,7 @@ def amax_histories(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every delayed-scaling amax history of ``model``'s ``EmulatedLinear`` modules, by ``module.buffer`` name."""
     out: dict[str, torch.Tensor] = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, EmulatedLinear):
+        if isinstance(mod, EmulatedLinear | EmulatedExperts):
             for bname, buf in mod.named_buffers(recurse=False):
                 if bname.startswith("amax_history_") and buf is not None:
                     out[f"{name}.{bname}" if name else bname] = buf

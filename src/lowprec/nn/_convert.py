@@ -28,6 +28,8 @@ from .. import recipes
 from .._checks import check_literal
 from .._errors import UsageError
 from ..recipes import LinearRecipe, Operand, Recipe
+from ._attention import emulate_attention, restore_attention
+from ._experts import EmulatedExperts, is_experts
 from ._linear import EmulatedConv1D, EmulatedLinear, is_hf_conv1d
 from ._masked_inputs import mark_masked_inputs
 from ._report import ConversionReport, ModuleEntry, describe_unknown
@@ -70,10 +72,19 @@ def _build_conv1d(m: nn.Module, rec: LinearRecipe, seed: int, name: str) -> nn.M
     return EmulatedConv1D.from_conv1d(m, rec, seed=seed, name=name)
 
 
+def _build_experts(m: nn.Module, rec: LinearRecipe, seed: int, name: str) -> nn.Module:
+    return EmulatedExperts.from_module(m, rec, seed=seed, name=name)
+
+
+def _restore_experts(m: nn.Module) -> nn.Module:
+    return cast(EmulatedExperts, m).to_module()
+
+
 CONVERTERS: list[Converter] = [
     Converter("linear", lambda m: type(m) is nn.Linear, _build_linear,
               lambda m: isinstance(m, EmulatedLinear) and not m.transposed_weight, _restore_linear),
     Converter("conv1d", is_hf_conv1d, _build_conv1d, lambda m: isinstance(m, EmulatedConv1D), _restore_conv1d),
+    Converter("experts", is_experts, _build_experts, lambda m: isinstance(m, EmulatedExperts), _restore_experts),
 ]
 """The converters ``convert`` tries, in order (first match wins); append a ``Converter`` to add a module kind."""
 
@@ -117,6 +128,16 @@ def _operand_label(op: Operand) -> str:
     return label
 
 
+def attention_summary(recipe: Recipe) -> str:
+    """The report's attention line: what ``Q K^T`` and ``P V`` follow, or that they are not emulated."""
+    att = recipe.attention
+    if att is None:
+        return (f"not emulated (recipe {recipe.name!r} has no attention: Q K^T and P V run in the model's own "
+                f"precision; recipes.with_attention(recipe) or '{recipe.name}+attn' emulates them)")
+    return (f"emulated per {att.granularity}: scores Q K^T {recipe_summary(att.scores)}; values P V "
+            f"{recipe_summary(att.values)}; softmax float32")
+
+
 def recipe_summary(lin: LinearRecipe) -> str:
     """``e4m3fn*e4m3fn, e5m2*e4m3fn, e5m2*e4m3fn``: operand a * operand b of forward, grad_input and grad_weight
     (with " acc FMT" / " -> FMT" where the accumulator or output is not float32); "fp32" when nothing is
@@ -142,6 +163,18 @@ def _gemm_params(mod: nn.Module) -> tuple[str, ...]:
             continue
         out.append(f"{p.dim()}-D parameter {n} {list(p.shape)}")
     return tuple(out)
+
+
+ROUTER_REASON = ("MoE router: float32 by design (a rounded router logit can flip a token's top-k experts, a "
+                 "discrete change no GEMM format budgets for)")
+
+
+def is_router(mod: nn.Module) -> bool:
+    """A transformers MoE router (``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``DeepseekV3TopkRouter``, ...):
+    a class named ``*Router`` with a 2-D ``weight`` [experts, hidden] it multiplies through ``F.linear``.  Its
+    logits pick each token's experts, so it stays float32 and is listed in the report as kept, not as unknown."""
+    w = getattr(mod, "weight", None)
+    return type(mod).__name__.lower().endswith("router") and isinstance(w, nn.Parameter) and w.dim() == 2
 
 
 _CONVS = (nn.modules.conv._ConvNd,)
@@ -192,6 +225,9 @@ def _plan(model: nn.Module, recipe: Recipe, module_filter: ModuleFilter | None
             entries.append(ModuleEntry(name, tname, "convolution", "unemulated", params=params,
                                        reason="convolution: lowprec emulates linear GEMMs only; runs in float32"))
             return False
+        if is_router(mod):
+            entries.append(ModuleEntry(name, tname, "router", "kept", params=params, reason=ROUTER_REASON))
+            return False
         reason = _keep_reason(name, mod, recipe, ancestors)
         if reason is not None:
             entries.append(ModuleEntry(name, tname, "unknown", "kept", reason=reason, params=params))
@@ -230,6 +266,11 @@ def convert(model: nn.Module, recipe: Recipe | str, *, module_filter: ModuleFilt
     False.  Parameters are shared, not copied, so tied weights (a head sharing the embedding's Parameter, as
     transformers' ``tie_word_embeddings``) stay tied and optimizers built before still step the model.
 
+    Attention: with ``recipe.attention`` set (``recipes.with_attention``, or a name such as
+    "fp8-tensorwise+attn"), ``emulate_attention`` runs the model's ``Q K^T`` and ``P V`` GEMMs with it (a
+    transformers model through its attention registry, any other through its ``F.scaled_dot_product_attention``
+    calls); without it attention runs unemulated, and the report says so.
+
     What was done is recorded: ``lowprec.nn.conversion_report(model)`` lists each converted, kept, unemulated
     (convolutions) and unknown module (nn/_report.py).  Unknown modules own a Parameter of 3+ dimensions (MoE
     experts) or a 2-D Parameter in a module type no converter handles (a router's ``weight`` used through
@@ -259,7 +300,7 @@ def convert(model: nn.Module, recipe: Recipe | str, *, module_filter: ModuleFilt
                 f"module names are: {', '.join(n for n in names if n)[:2000]}"
             )
     targets, entries = _plan(model, recipe, module_filter)
-    report = ConversionReport(recipe=recipe.name, entries=tuple(entries))
+    report = ConversionReport(recipe=recipe.name, entries=tuple(entries), attention=attention_summary(recipe))
     unknown = report.unknown
     if unknown and on_unknown == "error":
         raise UsageError(
@@ -276,15 +317,16 @@ def convert(model: nn.Module, recipe: Recipe | str, *, module_filter: ModuleFilt
         )
     for name, mod, conv, lin in targets:
         _set_child(model, name, conv.build(mod, lin, recipe.seed, name))
+    emulate_attention(model, recipe)  # nothing when recipe.attention is None
     mark_masked_inputs(model)
     model.lowprec_recipe = recipe  # type: ignore[assignment]
     model.lowprec_conversion_report = report  # type: ignore[assignment]
     if unknown and on_unknown == "warn":
         warnings.warn(
             f"{len(unknown)} module(s) that may carry GEMMs were left in float32: {describe_unknown(unknown)}.  "
-            "lowprec emulates the GEMMs of nn.Linear and transformers Conv1D only; add these names to "
-            "Recipe.keep_high_precision to keep them in float32 on purpose, or pass on_unknown='ignore'.  "
-            "lowprec.nn.conversion_report(model) lists every module",
+            "lowprec emulates the GEMMs of nn.Linear, transformers Conv1D and Mixtral-layout MoE experts only; add "
+            "these names to Recipe.keep_high_precision to keep them in float32 on purpose, or pass "
+            "on_unknown='ignore'.  lowprec.nn.conversion_report(model) lists every module",
             UserWarning, stacklevel=2,
         )
     return model
@@ -301,6 +343,7 @@ def unconvert(model: nn.Module) -> nn.Module:
         raise UsageError("model has no lowprec-converted module; nothing to unconvert")
     for name, mod, conv in targets:
         _set_child(model, name, conv.restore(mod))
+    restore_attention(model)
     for attr in ("lowprec_recipe", "lowprec_conversion_report"):
         if hasattr(model, attr):
             delattr(model, attr)

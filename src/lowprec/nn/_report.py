@@ -60,6 +60,8 @@ class ConversionReport:
     """Name of the recipe the model was converted with."""
     entries: tuple[ModuleEntry, ...]
     """Every GEMM-carrying module, in ``named_modules`` order."""
+    attention: str = ""
+    """How attention's ``Q K^T`` and ``P V`` GEMMs run: "emulated per tensor: ..." or "not emulated (...)"."""
 
     def _group(self, status: Status) -> tuple[ModuleEntry, ...]:
         return tuple(e for e in self.entries if e.status == status)
@@ -90,6 +92,8 @@ class ConversionReport:
     def __str__(self) -> str:
         counts = ", ".join(f"{len(self._group(s))} {s}" for s in ("converted", "kept", "unemulated", "unknown"))
         head = f"lowprec conversion with recipe {self.recipe!r}: {counts}"
+        if self.attention:
+            head += f"\nattention: {self.attention}"
         rows = [("module", "type", "status", "kind", "recipe / reason")]
         for e in self.entries:
             detail = e.recipe if e.status == "converted" else e.reason

@@ -177,7 +177,7 @@ class StatsObserver:
             return
         assert isinstance(module, EmulatedLinear)
         self._observe(step, name, module.recipe, "input", _flat(args[0]))
-        self._observe(step, name, module.recipe, "weight", module.weight)
+        self._observe(step, name, module.recipe, "weight", module.linear_weight())  # [N, K] (Conv1D: W^T)
         self._observe(step, name, module.recipe, "output", _flat(output))
         if output.grad_fn is not None:
             output.grad_fn.register_hook(functools.partial(self._on_backward, step, name, module.recipe))

@@ -2,6 +2,7 @@
 
 from ._named import PROFILES as PROFILES
 from ._named import get as get
+from ._named import is_named as is_named
 from ._named import names as names
 from ._named import with_attention as with_attention
 from ._recipe import Accumulator as Accumulator
@@ -32,6 +33,7 @@ __all__ = [
     "Scaling",
     "Weights",
     "get",
+    "is_named",
     "names",
     "with_attention",
 ]

@@ -261,6 +261,12 @@ def names() -> list[str]:
     return list(_RECIPES)
 
 
+def is_named(name: object) -> bool:
+    """Whether ``get(name)`` knows ``name``: a built-in name or ``<built-in>+attn``."""
+    return isinstance(name, str) and (name in _RECIPES or (name.endswith(ATTENTION_SUFFIX)
+                                                             and name[: -len(ATTENTION_SUFFIX)] in _RECIPES))
+
+
 def get(name: str | Recipe) -> Recipe:
     """The built-in recipe ``name`` (a Recipe is returned as is); ValueError listing the names otherwise.
 

@@ -347,7 +347,7 @@ def recipe_hash(recipe: Any) -> str:
         return "none"
     from .. import recipes
 
-    if isinstance(recipe, str) and recipe in recipes.names():
+    if isinstance(recipe, str) and recipes.is_named(recipe):
         return str(recipes.get(recipe).hash())
     if isinstance(recipe, dict):
         try:
