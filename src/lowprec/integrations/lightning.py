@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -59,7 +58,8 @@ except ImportError as e:  # tests/test_integrations_lightning.py hides the packa
 
 from .._errors import UsageError
 from ..runs._store import RunStore
-from ..runs._track import FLUSH_EVERY, FLUSH_SECONDS, TrackedRun, _check_inputs, track
+from ..runs._track import FLUSH_EVERY, FLUSH_SECONDS, TrackedRun
+from ._common import TrackingOptions, number
 
 __all__ = ["TRAINER_FIELDS", "LOSS_METRICS", "LowprecCallback"]
 
@@ -71,16 +71,6 @@ LOSS_METRICS = ("train_loss_step", "train/loss_step", "train_loss", "train/loss"
 """``trainer.callback_metrics`` keys read (first found) for a batch whose ``training_step`` returned no loss."""
 
 
-def _number(value: Any) -> float | None:
-    """``value`` (a Python number or a one-element tensor) as a float, or None."""
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-
-
 def _jsonable(value: Any) -> bool:
     try:
         json.dumps(value, allow_nan=False)
@@ -89,7 +79,7 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-class LowprecCallback(pl.Callback):
+class LowprecCallback(TrackingOptions, pl.Callback):
     """Record each ``trainer.fit()`` as a run of ``lowprec.runs.track`` (see the module docstring).
 
     ``store``: the run store's path (created when missing) or a ``RunStore``.  ``seed``: default the seed of
@@ -108,33 +98,15 @@ class LowprecCallback(pl.Callback):
                  metrics: Mapping[str, str] | None = None, eval_prefixes: Sequence[str] = ("val_", "val/"),
                  data_hash: str | None = None, recipe: Any = None, eval_at_end: bool = True,
                  flush_every: int = FLUSH_EVERY, flush_seconds: float = FLUSH_SECONDS) -> None:
-        metrics = {"loss": "min"} if metrics is None else dict(metrics)
-        if config is not None and not isinstance(config, Mapping):
-            raise UsageError(f"LowprecCallback: config must be a dict of extra settings or None; got "
-                             f"{type(config).__name__}")
         if isinstance(eval_prefixes, str) or not all(isinstance(p, str) and p for p in eval_prefixes):
             raise UsageError(f"LowprecCallback: eval_prefixes must be a list of non-empty strings such as "
                              f"['val_', 'val/']; got {eval_prefixes!r}")
-        _check_inputs(name=name, group=group, seed=0 if seed is None else seed, config={"model": "m"},
-                      metrics=metrics, data_hash=data_hash, framework="torch", device="cpu",
-                      flush_every=flush_every, flush_seconds=flush_seconds)
-        self.store = store
-        self.seed = seed
-        self.group = group
-        self.name = name
-        self.config = dict(config or {})
-        self.metrics = metrics
+        self._set_options(store=store, seed=seed, group=group, name=name, config=config, metrics=metrics,
+                          data_hash=data_hash, recipe=recipe, eval_at_end=eval_at_end, flush_every=flush_every,
+                          flush_seconds=flush_seconds)
         self.eval_prefixes = tuple(eval_prefixes)
-        self.data_hash = data_hash
-        self.recipe = recipe
-        self.eval_at_end = bool(eval_at_end)
-        self.flush_every = flush_every
-        self.flush_seconds = flush_seconds
-        self.run_id: str | None = None
-        self.run_ids: list[str] = []
         self._cm: AbstractContextManager[TrackedRun] | None = None
         self._run: TrackedRun | None = None
-        self._last: dict[str, int] = {}
         self._losses: list[float] = []
         self._lr: float | None = None
         self._stepped = -1
@@ -197,7 +169,7 @@ class LowprecCallback(pl.Callback):
         """Open the run (global-zero process only)."""
         if self._cm is not None:
             self._close(RuntimeError("a new trainer.fit() began before the previous one reached on_fit_end"))
-        self._last, self._losses, self._lr, self._stepped = {}, [], None, trainer.global_step
+        self._losses, self._lr, self._stepped = [], None, trainer.global_step
         if not trainer.is_global_zero:
             return
         seed = self._seed()
@@ -205,22 +177,10 @@ class LowprecCallback(pl.Callback):
             raise UsageError("LowprecCallback: the run needs a seed: pass LowprecCallback(seed=...) or call "
                              "seed_everything(seed) before trainer.fit()")
         device = getattr(getattr(trainer.strategy, "root_device", None), "type", None) or "cpu"
-        cm = track(store=self.store, seed=seed, config=self._config(trainer, pl_module), metrics=self.metrics,
-                   name=self.name, group=self.group, data_hash=self.data_hash, recipe=self.recipe,
-                   framework="torch", device=str(device), flush_every=self.flush_every,
-                   flush_seconds=self.flush_seconds)
+        cm = self._track(seed=seed, config=self._config(trainer, pl_module), device=str(device))
         self._run = cm.__enter__()
         self._cm = cm
-        self.run_id = self._run.run_id
-        if self.run_id is not None:
-            self.run_ids.append(self.run_id)
-
-    def _keep(self, values: dict[str, float], step: int) -> dict[str, float]:
-        """Drop the keys already recorded at ``step`` or later (a second validation at one step)."""
-        kept = {k: v for k, v in values.items() if step > self._last.get(k, -1)}
-        for k in kept:
-            self._last[k] = step
-        return kept
+        self._started(self._run)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Note the learning rate the optimizer steps with (the scheduler may change it before the batch ends)."""
@@ -228,11 +188,11 @@ class LowprecCallback(pl.Callback):
             return
         groups = getattr(optimizer, "param_groups", None)
         if groups:
-            self._lr = _number(groups[0].get("lr"))
+            self._lr = number(groups[0].get("lr"))
 
     def _batch_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> float | None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        value = _number(loss) if loss is not None else None
+        value = number(loss) if loss is not None else None
         if value is not None:
             if pl_module.automatic_optimization:  # Lightning divides the returned loss by the accumulation
                 value *= trainer.accumulate_grad_batches
@@ -240,7 +200,7 @@ class LowprecCallback(pl.Callback):
         metrics = trainer.callback_metrics
         for key in LOSS_METRICS:
             if key in metrics:
-                return _number(metrics[key])
+                return number(metrics[key])
         return None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -279,9 +239,9 @@ class LowprecCallback(pl.Callback):
         for key, value in trainer.callback_metrics.items():
             for prefix in self.eval_prefixes:
                 if isinstance(key, str) and key.startswith(prefix) and key[len(prefix):] in self.metrics:
-                    number = _number(value)
-                    if number is not None:
-                        values.setdefault(f"eval/{key[len(prefix):]}", number)
+                    got = number(value)
+                    if got is not None:
+                        values.setdefault(f"eval/{key[len(prefix):]}", got)
         step = trainer.global_step
         values = self._keep(values, step)
         if values:
@@ -292,14 +252,8 @@ class LowprecCallback(pl.Callback):
         run = self._run
         if run is None:
             return
-        step = trainer.global_step
-        missing = sorted(m for m in self.metrics if self._last.get(f"eval/{m}") != step)
-        if missing:
-            run.event("missing_final_eval", {"metrics": missing}, step=step)
-            warnings.warn(f"LowprecCallback: run {run.run_id} has no {missing} at its last step {step}: the judge "
-                          f"reads eval metrics at the last step; log them in validation_step as "
-                          f"{self.eval_prefixes[0]}<metric> and let a validation run at the last step",
-                          stacklevel=2)
+        self._check_final_eval(run, trainer.global_step, f"log them in validation_step as "
+                               f"{self.eval_prefixes[0]}<metric> and let a validation run at the last step")
         self._close(None)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

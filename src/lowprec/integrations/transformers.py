@@ -56,7 +56,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import warnings
 import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -64,9 +63,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .._errors import UsageError
 from ..runs._store import RunStore
-from ..runs._track import FLUSH_EVERY, FLUSH_SECONDS, TrackedRun, _check_inputs, track
+from ..runs._track import FLUSH_EVERY, FLUSH_SECONDS, TrackedRun
+from ._common import TrackingOptions, number
 
 __all__ = ["TRAINING_ARGS", "LOG_KEYS", "LowprecCallback"]
 
@@ -90,15 +89,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     return None
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        return None
 
 
 class _OpenRun:
@@ -135,7 +125,7 @@ def _abandoned(open_run: _OpenRun) -> None:
                      "training)")
 
 
-class LowprecCallback(TrainerCallback):  # type: ignore[misc]
+class LowprecCallback(TrackingOptions, TrainerCallback):  # type: ignore[misc]
     """Record each ``trainer.train()`` as a run of ``lowprec.runs.track`` (see the module docstring).
 
     ``store``: the run store's path (created when missing) or a ``RunStore``.  ``seed``: default ``args.seed``.
@@ -153,29 +143,11 @@ class LowprecCallback(TrainerCallback):  # type: ignore[misc]
                  metrics: Mapping[str, str] | None = None, data_hash: str | None = None, recipe: Any = None,
                  eval_at_end: bool = True, flush_every: int = FLUSH_EVERY,
                  flush_seconds: float = FLUSH_SECONDS) -> None:
-        metrics = {"loss": "min"} if metrics is None else dict(metrics)
-        if config is not None and not isinstance(config, Mapping):
-            raise UsageError(f"LowprecCallback: config must be a dict of extra settings or None; got "
-                             f"{type(config).__name__}")
-        _check_inputs(name=name, group=group, seed=0 if seed is None else seed, config={"model": "m"},
-                      metrics=metrics, data_hash=data_hash, framework="torch", device="cpu",
-                      flush_every=flush_every, flush_seconds=flush_seconds)
-        self.store = store
-        self.seed = seed
-        self.group = group
-        self.name = name
-        self.config = dict(config or {})
-        self.metrics = metrics
-        self.data_hash = data_hash
-        self.recipe = recipe
-        self.eval_at_end = bool(eval_at_end)
-        self.flush_every = flush_every
-        self.flush_seconds = flush_seconds
-        self.run_id: str | None = None
-        self.run_ids: list[str] = []
+        self._set_options(store=store, seed=seed, group=group, name=name, config=config, metrics=metrics,
+                          data_hash=data_hash, recipe=recipe, eval_at_end=eval_at_end, flush_every=flush_every,
+                          flush_seconds=flush_seconds)
         self._open: _OpenRun | None = None
         self._finalizer: weakref.finalize | None = None
-        self._last: dict[str, int] = {}
 
     # -- the run ---------------------------------------------------------------------------------------------
 
@@ -235,23 +207,9 @@ class LowprecCallback(TrainerCallback):  # type: ignore[misc]
             return
         seed = args.seed if self.seed is None else self.seed
         device = getattr(getattr(args, "device", None), "type", None) or "cpu"
-        cm = track(store=self.store, seed=seed, config=self._config(args, state, model), metrics=self.metrics,
-                   name=self.name, group=self.group, data_hash=self.data_hash, recipe=self.recipe,
-                   framework="torch", device=str(device), flush_every=self.flush_every,
-                   flush_seconds=self.flush_seconds)
-        self._open = _OpenRun(cm)
-        self._last = {}
-        self.run_id = self._open.run.run_id
-        if self.run_id is not None:
-            self.run_ids.append(self.run_id)
+        self._open = _OpenRun(self._track(seed=seed, config=self._config(args, state, model), device=str(device)))
+        self._started(self._open.run)
         self._finalizer = weakref.finalize(self, _abandoned, self._open)
-
-    def _log(self, values: dict[str, float], step: int) -> dict[str, float]:
-        """Drop the keys already recorded at ``step`` or later (a second evaluation at one step)."""
-        kept = {k: v for k, v in values.items() if step > self._last.get(k, -1)}
-        for k in kept:
-            self._last[k] = step
-        return kept
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None,
                **kwargs: Any) -> None:
@@ -260,10 +218,10 @@ class LowprecCallback(TrainerCallback):  # type: ignore[misc]
             return
         values = {}
         for key, scalar in LOG_KEYS.items():
-            value = _number(logs.get(key))
+            value = number(logs.get(key))
             if value is not None:
                 values[scalar] = value
-        values = self._log(values, state.global_step)
+        values = self._keep(values, state.global_step)
         if values:
             run.log(values, step=state.global_step)
 
@@ -275,10 +233,10 @@ class LowprecCallback(TrainerCallback):  # type: ignore[misc]
         values = {}
         for key, value in metrics.items():
             if isinstance(key, str) and key.startswith("eval_") and key[5:] in self.metrics:
-                number = _number(value)
-                if number is not None:
-                    values[f"eval/{key[5:]}"] = number
-        values = self._log(values, state.global_step)
+                got = number(value)
+                if got is not None:
+                    values[f"eval/{key[5:]}"] = got
+        values = self._keep(values, state.global_step)
         if values:
             run.log_eval({k[5:]: v for k, v in values.items()}, step=state.global_step)
 
@@ -293,11 +251,6 @@ class LowprecCallback(TrainerCallback):  # type: ignore[misc]
         run = self.run
         if run is None:
             return
-        step = state.global_step
-        missing = sorted(m for m in self.metrics if self._last.get(f"eval/{m}") != step)
-        if missing:
-            run.event("missing_final_eval", {"metrics": missing}, step=step)
-            warnings.warn(f"LowprecCallback: run {run.run_id} has no {missing} at its last step {step}: the judge "
-                          f"reads eval metrics at the last step; set eval_strategy='steps' (the callback then asks "
-                          f"for a final evaluation) and check that compute_metrics returns them", stacklevel=2)
+        self._check_final_eval(run, state.global_step, "set eval_strategy='steps' (the callback then asks for a "
+                               "final evaluation) and check that compute_metrics returns them")
         self._close(None)
