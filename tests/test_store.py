@@ -435,6 +435,8 @@ with RunStore(PATH) as s:
     BARRIER.wait(timeout=60)  # both processes start logging together
     for run in range(N_RUNS):
         rid = s.create_run(name=f"w{WORKER} r{run}", config={"worker": WORKER}, manifest={})
+        if run == 0:  # both first runs exist before either writes: the writes overlap however the OS schedules
+            BARRIER.wait(timeout=60)
         for step in range(1, N_STEPS + 1):
             s.log_scalars(rid, step, {k: WORKER * 1e6 + run * 1e4 + step + i / 8 for i, k in enumerate(KEYS)})
         s.log_rows(rid, [(step, "bulk", float(step)) for step in range(1, N_STEPS + 1)])
