@@ -61,6 +61,20 @@ TOLERANCES: dict[str, Tolerance] = {
         "earlier sessions); without the first-step MAX all-reduce of the amax (each rank scaling with its own half "
         "batch) it is 3.7e-3",
     ),
+    "ddp_vs_single_hf_fp8_loss_rel": Tolerance(
+        value=5e-3,
+        unit="ratio",
+        source="max relative difference of the per-step training loss, DDP on 2 gloo ranks vs one process on the "
+        "same global batch, for fp8-tensorwise on the hf-causal-lm Mixtral (hidden 64, 2 layers, 4 heads, 4 "
+        "experts top-2, context 32, batch 8, 20 steps; tests/test_dist_hf.py).  Not a reduction-order bound: "
+        "tensorwise scales come from each tensor's own amax, so each rank quantizes its half batch (activations, "
+        "grad outputs) on another fp8 grid than the full batch (tests/test_dist_hf.py shows the split run equals "
+        "one process accumulating the two halves bit for bit).  Measured (torch 2.13 CPU, transformers 5.24): "
+        "1.4e-3 (seed 0, at step 15; median over the steps 6.5e-5), 7.5e-4 (seed 1), 4.0e-4 (seed 2); the fp32 "
+        "recipe on the same runs 1.6e-7.  5e-3 is 3.6x the largest measured and below the loss's own "
+        "change per step there (median 1.3e-2 relative: 5.55 to 4.08 over the 20 steps), so a run one step behind "
+        "or on other rows would not pass",
+    ),
     "jax_vs_torch_loss_rel": Tolerance(
         value=1e-4,
         unit="ratio",
