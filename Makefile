@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-slow test-all lint bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,16 @@ $(LINT_STAMP): requirements-lint.txt
 demo: $(STAMP)
 	$(VENV)/bin/lowprec demo
 
+# `make test`: everything but the tests marked slow (pyproject's addopts: -m "not slow"), under 10 minutes on
+# 2 cores.  `make test-slow`: the slow ones (torch.compile kernels, torchrun process groups, full Trainer and
+# Lightning fits, JAX-vs-torch training runs); CI runs both.
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(PY) -m pytest
+
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=2 $(PY) -m pytest -m slow
+
+test-all: test test-slow
 
 lint: $(LINT_STAMP) $(STAMP)
 	$(LINT_VENV)/bin/ruff check src tests benchmarks

@@ -12,6 +12,8 @@ import lowprec
 from lowprec.quant import QuantSpec
 from lowprec.testing import assert_bitwise_equal
 
+pytestmark = pytest.mark.slow  # make test-slow: torch.compile kernels: a cold inductor cache compiles for minutes
+
 
 def _varied(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     """Normals over a wide exponent range plus zeros, subnormals, huge values, NaN and inf."""

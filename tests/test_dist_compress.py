@@ -27,6 +27,8 @@ from lowprec.distributed._wire import BucketCodec, pack, resolve_spec, unpack, w
 from lowprec.quant import QuantSpec, fake_quantize, quantize_scaled
 from lowprec.testing import torchrun
 
+pytestmark = pytest.mark.slow  # make test-slow: real torchrun process groups
+
 WORKER = Path(__file__).with_name("_dist_compress_worker.py")
 
 

@@ -21,6 +21,8 @@ from lowprec.distributed._fsdp_gather import _quantize_with_amax
 from lowprec.quant import QuantSpec, dequantize, quantize_scaled
 from lowprec.testing import torchrun
 
+pytestmark = pytest.mark.slow  # make test-slow: real torchrun process groups
+
 WORKER = Path(__file__).with_name("_dist_fsdp_worker.py")
 CASES = [
     ("bf16", "ddp"), ("bf16", "fsdp"), ("bf16", "fsdp_fp32"),

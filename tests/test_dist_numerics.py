@@ -30,6 +30,8 @@ from lowprec.runs._runner import run_config, train
 from lowprec.runs._store import RunStore
 from lowprec.testing import torchrun
 
+pytestmark = pytest.mark.slow  # make test-slow: real torchrun process groups
+
 TESTS = Path(__file__).parent
 POLICY = Fallback(underflow_pct=50, sqnr_db=10, patience=2, to="bf16")
 

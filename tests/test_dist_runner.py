@@ -23,6 +23,8 @@ from lowprec.runs._runner import resume_run, run_config
 from lowprec.runs._store import RunStore
 from lowprec.testing import TOLERANCES, torchrun
 
+pytestmark = pytest.mark.slow  # make test-slow: real torchrun process groups (2-4 workers each)
+
 TESTS = Path(__file__).parent
 STEPS = 30
 

@@ -19,6 +19,8 @@ import pytest
 import lowprec
 import lowprec.quant
 
+pytestmark = pytest.mark.slow  # make test-slow: fresh interpreters that import and compile JAX
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Installed before anything else in the "no torch" subprocess: torch and torch.* cannot be imported.

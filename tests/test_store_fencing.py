@@ -202,6 +202,7 @@ def test_sigterm_marks_a_single_process_run_failed_with_the_reason(tmp_path: Pat
     assert (rec.status, rec.error) == ("failed", "Terminated: interrupted by SIGTERM")
 
 
+@pytest.mark.slow  # make test-slow: a real 2-worker torchrun, stopped
 @pytest.mark.parametrize("how", ["sigkill-torchrun", "sigterm-parent"])
 def test_a_stopped_data_parallel_run_leaves_no_worker_and_stays_failed(tmp_path: Path, how: str) -> None:
     """SIGKILL of torchrun: its workers get SIGTERM from Linux (PR_SET_PDEATHSIG) and the parent marks the run
