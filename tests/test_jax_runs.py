@@ -127,6 +127,12 @@ def test_jax_runs_refuse_parallel_layouts_and_other_models(runs) -> None:
     with pytest.raises(ValueError, match='supports the mlp-digits and gpt-bytes tasks.*set framework = "torch"'):
         run_config(dataclasses.replace(runs["cfg"], model="cnn-digits", framework="jax", steps=1), store=store,
                    progress=False)
+    # emulated attention is torch-only: refused before training, not silently ignored
+    n_runs = len(store.list_runs())
+    with pytest.raises(ValueError, match=r"emulates attention.*drop '\+attn'"):
+        run_config(dataclasses.replace(runs["cfg"], framework="jax", steps=1,
+                                       recipe=recipes.get("fp8-tensorwise+attn")), store=store, progress=False)
+    assert len(store.list_runs()) == n_runs
 
 
 # -- gpt-bytes ------------------------------------------------------------------------------------------------------

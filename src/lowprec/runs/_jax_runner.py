@@ -144,6 +144,10 @@ def _check(config: RunConfig) -> None:
         raise UsageError("framework = \"jax\" runs in one process: set parallel.strategy = \"single\"")
     if config.recipe.fallback is not None:
         raise UsageError("recipe.fallback is not implemented for framework = \"jax\"; remove it or use torch")
+    if config.recipe.attention is not None:
+        raise UsageError(f"recipe {config.recipe.name!r} emulates attention (recipe.attention), which "
+                         "framework = \"jax\" does not implement; use the recipe without it (drop '+attn') or "
+                         "framework = \"torch\"")
     if config.stats.every is not None:
         raise UsageError("[stats] every is not implemented for framework = \"jax\"; remove it or use torch")
 
