@@ -27,9 +27,9 @@ also the config's ``max_position_embeddings``), ``tie_embeddings`` (share the in
 default False).  Dropout is 0 everywhere: a training step must be a pure function of the weights and the batch.
 The MoE families have ``output_router_logits=False``, so the router's load-balancing auxiliary loss is not
 added: the loss is the language-model cross-entropy alone, comparable across families.  A recipe is applied by
-``lowprec.nn.convert`` (as for any task): ``nn.Linear`` and GPT-2's ``Conv1D`` become emulated layers, and the
-MoE families' experts, which transformers 5 stores as fused 3-d parameters rather than ``nn.Linear`` modules,
-are converted only where ``convert`` has an experts converter; its conversion report lists what stayed float32.
+``lowprec.nn.convert`` (as for any task): ``nn.Linear``, GPT-2's ``Conv1D`` and the MoE families' experts (fused
+3-d parameters in transformers 5) become emulated modules, the routers stay float32, and a ``NAME+attn`` recipe
+emulates attention too; the conversion report lists what stayed float32 (docs/transformers.md).
 
 Data: the Python documentation text of ``gpt-bytes`` (``pydoc_data.topics``, about 465 KB of UTF-8; see
 ``_text``), split at 90 % of its bytes, moved back to a character boundary, into training and validation text
