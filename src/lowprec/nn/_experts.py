@@ -284,15 +284,18 @@ class EmulatedExperts(nn.Module):
         with torch.no_grad():
             expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for idx in expert_hit.tolist():
-            e = idx[0]
-            if e == self.num_experts:
-                continue
+        hit = [idx[0] for idx in expert_hit.tolist() if idx[0] != self.num_experts]
+        # Each expert's [N, K] weight as a view of one unbind per projection, not one select per expert: autograd
+        # then stacks the hit experts' weight gradients (zeros for the others) in one pass, where E selects would
+        # each fill a zero [E, N, K] gradient and add them up.  The same values: every row is one expert's dW.
+        gate_up = self.gate_up_proj.unbind(0) if hit else ()
+        down = self.down_proj.unbind(0) if hit else ()
+        for e in hit:
             top_k_pos, token_idx = torch.where(expert_mask[e])
             x = hidden_states[token_idx]
-            gate, up = self._linear(x, self.gate_up_proj[e], e, "gate_up_proj", keys(e, "gate_up_proj")).chunk(2, -1)
+            gate, up = self._linear(x, gate_up[e], e, "gate_up_proj", keys(e, "gate_up_proj")).chunk(2, -1)
             h = self.act_fn(gate) * up
-            y = self._linear(h, self.down_proj[e], e, "down_proj", keys(e, "down_proj"))
+            y = self._linear(h, down[e], e, "down_proj", keys(e, "down_proj"))
             y = y * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, y.to(final.dtype))
         return final
