@@ -47,10 +47,9 @@ from torch.overrides import TorchFunctionMode
 from .. import recipes
 from .._errors import UsageError
 from ..quant import _random
-from ..recipes import Attention, Gemm, LinearRecipe, Recipe
-from ..recipes._recipe import ATTENTION_GEMMS, shares_quantization
-from ._linear import Keys, product, quantize_operand
-from .functional import _quantize, _unbroadcast
+from ..recipes import Attention, Recipe
+from ..recipes._recipe import ATTENTION_GEMMS
+from .functional import _MatmulFn
 
 IMPLEMENTATION = "lowprec"
 """The name of the emulated attention in transformers' ``AttentionInterface``."""
@@ -98,82 +97,6 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_
         raise UsageError(f"scaled_dot_product_attention: enable_gqa needs the query heads to be a multiple of the "
                          f"key/value heads; got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
                          f"{tuple(value.shape)}")
-
-
-def _memory_order(t: torch.Tensor) -> list[int] | None:
-    """The permutation ``p`` with ``t.permute(p)`` contiguous, where ``t`` is a non-contiguous permutation of a
-    contiguous tensor (a transposed view, or transformers' ``[B, L, H, E] -> [B, H, L, E]`` heads); else None."""
-    if t.is_contiguous() or t.dim() < 2:
-        return None
-    strides = t.stride()
-    perm = sorted(range(t.dim()), key=lambda d: -strides[d])
-    return perm if t.permute(perm).is_contiguous() else None
-
-
-def _quantize_operand(t: torch.Tensor, g: Gemm, name: str, which: str, keys: Keys, per_matrix: bool) -> torch.Tensor:
-    """``functional._quantize``, the same values and strides, faster for a permuted operand with one scale per
-    tensor (round to nearest): that is elementwise with the amax of all elements, so it is run on ``t`` permuted to
-    its memory order (contiguous: the fused native kernel instead of the generic strided path, about 10x slower) and
-    permuted back, which gives the layout the elementwise strided path gives (its outputs follow the input's memory
-    order).  Q' (rotary output, [B, L, H, E] memory), V^T and dO are such operands.  Stochastic rounding keeps the
-    logical order of its random bits, so it takes ``functional._quantize`` as it is."""
-    op = getattr(g, which)
-    spec = op.spec
-    if spec is not None and spec.scaling == "tensor" and spec.rounding == "nearest" and not (per_matrix
-                                                                                              and t.dim() > 2):
-        perm = _memory_order(t)
-        if perm is not None:
-            inverse = [0] * len(perm)
-            for i, d in enumerate(perm):
-                inverse[d] = i
-            return quantize_operand(t.permute(perm), g, name, which, keys, {}).permute(inverse)
-    return _quantize(t, g, name, which, keys, per_matrix)
-
-
-class _AttentionMatmulFn(torch.autograd.Function):
-    """``functional._MatmulFn`` (its GEMMs, sharing rules and order, line for line) with ``_quantize_operand``
-    in place of ``functional._quantize``: the same bits, without the strided quantizer for permuted operands."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, a: torch.Tensor, b: torch.Tensor, lin: LinearRecipe, keys: Keys, per_matrix: bool, bmm_order: bool
-    ) -> torch.Tensor:
-        af, bf = a.to(torch.float32), b.to(torch.float32)
-        # out = a @ b   [..,M,K] @ [..,K,N] -> [..,M,N]
-        qa = _quantize_operand(af, lin.forward, "forward", "a", keys, per_matrix)
-        qb_t = _quantize_operand(bf.transpose(-1, -2), lin.forward, "forward", "b", keys, per_matrix)
-        out = product(qa, qb_t, lin.forward)
-        ctx.share_a = shares_quantization(lin.forward.a, lin.grad_weight.b)
-        ctx.share_b = shares_quantization(lin.forward.b, lin.grad_input.b)
-        ctx.save_for_backward(qa if ctx.share_a else af, qb_t.transpose(-1, -2) if ctx.share_b else bf)
-        ctx.lin, ctx.keys, ctx.dtypes = lin, keys, (a.dtype, b.dtype)
-        ctx.per_matrix, ctx.bmm_order = per_matrix, bmm_order
-        return out.to(torch.promote_types(a.dtype, b.dtype))
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        af, bf = ctx.saved_tensors  # Q(a) / Q(b) where shared with the forward GEMM
-        gi, gw, keys, pm = ctx.lin.grad_input, ctx.lin.grad_weight, ctx.keys, ctx.per_matrix
-        gf = g.to(torch.float32)
-        need_a, need_b = ctx.needs_input_grad[:2]
-        share_g = shares_quantization(gi.a, gw.a)
-        qg = _quantize_operand(gf, gi, "grad_input", "a", keys, pm) if need_a or (need_b and share_g) else gf
-        da = db = None
-        if need_a:
-            # da = dO @ b^T   [..,M,N] @ [..,N,K] -> [..,M,K]
-            qb = bf if ctx.share_b else _quantize_operand(bf, gi, "grad_input", "b", keys, pm)
-            da = _unbroadcast(product(qg, qb, gi), af.shape).to(ctx.dtypes[0])
-        if need_b:
-            # db^T = dO^T @ a   [..,N,M] @ [..,M,K] -> [..,N,K]
-            if share_g:
-                qg_t = qg.transpose(-1, -2)
-            else:
-                qg_t = _quantize_operand(gf.transpose(-1, -2), gw, "grad_weight", "a", keys, pm)
-            a_t = af.transpose(-1, -2)
-            qa_t = a_t if ctx.share_a else _quantize_operand(a_t, gw, "grad_weight", "b", keys, pm)
-            db_full = product(qa_t, qg_t, gw) if ctx.bmm_order else product(qg_t, qa_t, gw).transpose(-1, -2)
-            db = _unbroadcast(db_full, bf.shape).to(ctx.dtypes[1])
-        return da, db, None, None, None, None
 
 
 def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -236,12 +159,12 @@ def scaled_dot_product_attention(
     per_head = att.granularity == "head"
     keys = _keys(att, seed, q.device)
     # scores GEMM: S = Q' @ K'^T, reduction over E (forward), L (dK) and S (dQ)
-    scores = _AttentionMatmulFn.apply(q, k.transpose(-2, -1) * sqrt_scale, att.scores, keys["scores"], per_head, True)
+    scores = _MatmulFn.apply(q, k.transpose(-2, -1) * sqrt_scale, att.scores, keys["scores"], per_head, True)
     if mask is not None:
         scores = scores + mask
     probs = _safe_softmax(scores)  # float32; fully masked rows give 0, not NaN
     # values GEMM: O = P @ V, reduction over S (forward), L (dV) and Ev (dP)
-    out = _AttentionMatmulFn.apply(probs, v, att.values, keys["values"], per_head, True)
+    out = _MatmulFn.apply(probs, v, att.values, keys["values"], per_head, True)
     return out.to(out_dtype)  # type: ignore[no-any-return]
 
 
