@@ -69,8 +69,7 @@ from torch import nn
 from .._errors import UsageError
 from ..quant import _random
 from ..recipes import LinearRecipe
-from ..recipes._recipe import OPERAND_ROLE
-from ._linear import EmulatedLinear, Keys, _copy_module_state, _Ctx, _LinearFn, _Plan, _plan_for
+from ._linear import EmulatedLinear, Keys, _copy_module_state, _Ctx, _LinearFn, _Plan, _plan_for, delayed_roles
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # Plain attributes of a transformers experts module (set by ``@use_experts_implementation`` or its __init__) that
@@ -162,18 +161,7 @@ class EmulatedExperts(nn.Module):
         self.lowprec_name = name
         self.seed = seed
         ops = recipe.operands()
-        self._delayed: dict[str, int] = {}
-        self._algorithm: dict[str, str] = {}
-        for (g, o), op in ops.items():
-            if op.scaling.kind == "delayed":
-                role = OPERAND_ROLE[(g, o)]
-                self._delayed[role] = max(self._delayed.get(role, 0), op.scaling.history_len)
-                if self._algorithm.setdefault(role, op.scaling.algorithm) != op.scaling.algorithm:
-                    raise UsageError(
-                        f"delayed scaling of the {role} uses two amax algorithms ({self._algorithm[role]!r} and "
-                        f"{op.scaling.algorithm!r}) in different GEMMs; the history is shared per tensor role, "
-                        "so use one algorithm per role"
-                    )
+        self._delayed, self._algorithm = delayed_roles(recipe)
         dev = self.gate_up_proj.device
         for proj in PROJECTIONS:
             for role, n in self._delayed.items():

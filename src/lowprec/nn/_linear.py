@@ -97,6 +97,25 @@ def gemm(
     return product(qa, quantize_operand(b, spec, name, "b", keys, amax), spec)
 
 
+def delayed_roles(recipe: LinearRecipe) -> tuple[dict[str, int], dict[str, str]]:
+    """The tensor roles (input, weight, grad_output) that ``recipe`` scales with delayed scaling: role -> history
+    length (the longest its GEMMs ask for) and role -> amax algorithm.  One history serves every GEMM that reads
+    the role, so two algorithms for one role is a UsageError."""
+    lengths: dict[str, int] = {}
+    algorithms: dict[str, str] = {}
+    for (g, o), op in recipe.operands().items():
+        if op.scaling.kind == "delayed":
+            role = _ROLE[(g, o)]
+            lengths[role] = max(lengths.get(role, 0), op.scaling.history_len)
+            if algorithms.setdefault(role, op.scaling.algorithm) != op.scaling.algorithm:
+                raise UsageError(
+                    f"delayed scaling of the {role} uses two amax algorithms ({algorithms[role]!r} and "
+                    f"{op.scaling.algorithm!r}) in different GEMMs; the history is shared per tensor role, "
+                    "so use one algorithm per role"
+                )
+    return lengths, algorithms
+
+
 def _is_plain(g: Gemm) -> bool:
     return g.a.spec is None and g.b.spec is None and g.accumulator.format is None and g.output_format is None
 
@@ -287,19 +306,8 @@ class EmulatedLinear(nn.Linear):
         self._plan_cache = (recipe, _plan_for(recipe))
         self.lowprec_name = name
         ops = recipe.operands()
-        self._delayed: dict[str, int] = {}
+        self._delayed, self._algorithm = delayed_roles(recipe)
         self._amax_started: set[str] = set()  # roles whose history has had a training step recorded
-        self._algorithm: dict[str, str] = {}
-        for (g, o), op in ops.items():
-            if op.scaling.kind == "delayed":
-                role = _ROLE[(g, o)]
-                self._delayed[role] = max(self._delayed.get(role, 0), op.scaling.history_len)
-                if self._algorithm.setdefault(role, op.scaling.algorithm) != op.scaling.algorithm:
-                    raise UsageError(
-                        f"delayed scaling of the {role} uses two amax algorithms ({self._algorithm[role]!r} and "
-                        f"{op.scaling.algorithm!r}) in different GEMMs; the history is shared per tensor role, "
-                        "so use one algorithm per role"
-                    )
         dev = self.weight.device
         for role, n in self._delayed.items():
             self.register_buffer(f"amax_history_{role}", torch.zeros(n, dtype=torch.float32, device=dev))
