@@ -384,3 +384,47 @@ def test_convert_with_attention_emulates_q_k_and_p_v() -> None:
     lowprec.unconvert(model)
     assert model.config._attn_implementation == "sdpa"
     assert torch.equal(model(input_ids=ids, labels=ids).loss, before)
+
+
+def test_an_override_naming_the_router_emulates_it() -> None:
+    """Routers stay float32 unless the recipe says otherwise: an override naming them ("*.mlp.gate") converts
+    their GEMM.  Oracle: an EmulatedLinear built from an nn.Linear holding a copy of the router weight gives the same
+    router logits and the same weight gradient; the router keeps its module path, Parameter and state-dict key,
+    and unconvert gives back a MixtralTopKRouter with the float32 output.  A stochastic recipe is refused."""
+    fp8 = lowprec.recipes.get("fp8-tensorwise")
+    recipe = lowprec.Recipe(name="fp8-router", linear=fp8.linear, keep_high_precision=fp8.keep_high_precision,
+                            overrides=(("*.mlp.gate", fp8.linear),))
+    model = _mixtral()
+    router = model.model.layers[0].mlp.gate
+    weight = router.weight
+    h = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))
+    ref_logits = router(h)[0]
+    keys = set(model.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lowprec.convert(model, recipe)
+    entry = conversion_report(model)["model.layers.0.mlp.gate"]
+    assert (entry.kind, entry.status) == ("router", "converted") and "override '*.mlp.gate'" in entry.recipe
+    assert model.model.layers[0].mlp.gate is router and router.weight is weight and set(model.state_dict()) == keys
+
+    shell = nn.Linear(32, 4, bias=False)
+    shell.weight = nn.Parameter(weight.detach().clone())
+    hand = EmulatedLinear.from_linear(shell, fp8.linear, seed=recipe.seed, name="model.layers.0.mlp.gate")
+    logits, scores, indices = router(h)
+    expect = hand(h.reshape(-1, 32))
+    assert torch.equal(logits, expect) and not torch.equal(logits, ref_logits)
+    assert torch.equal(indices, torch.topk(torch.softmax(expect, -1), 2, dim=-1).indices)
+    logits.square().sum().backward()
+    expect.square().sum().backward()
+    assert torch.equal(weight.grad, shell.weight.grad)
+    lowprec.unconvert(model)
+    assert type(model.model.layers[0].mlp.gate).__name__ == "MixtralTopKRouter"
+    assert torch.equal(router(h)[0], ref_logits)
+
+    stochastic = lowprec.recipes.get("nvfp4")  # stochastic rounding of the gradients
+    assert any(op.spec is not None and op.spec.rounding == "stochastic" for op in stochastic.linear.operands().values())
+    bad = lowprec.Recipe(name="sr-router", linear=fp8.linear, overrides=(("*.mlp.gate", stochastic.linear),))
+    untouched = _mixtral()
+    with pytest.raises(UsageError, match="router 'model.layers.0.mlp.gate'.*stochastic"):
+        lowprec.convert(untouched, bad)
+    assert not any(isinstance(m, EmulatedLinear) for m in untouched.modules())  # refused before any change

@@ -33,6 +33,7 @@ from ._experts import EmulatedExperts, is_experts
 from ._linear import EmulatedConv1D, EmulatedLinear, is_hf_conv1d
 from ._masked_inputs import mark_masked_inputs
 from ._report import ConversionReport, ModuleEntry, describe_unknown
+from ._router import build_router, check_router_recipe, is_emulated_router, is_router, restore_router
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 OnUnknown = Literal["warn", "error", "ignore"]
@@ -93,8 +94,13 @@ def _converter_for(m: nn.Module) -> Converter | None:
     return next((c for c in CONVERTERS if c.matches(m)), None)
 
 
+ROUTER = Converter("router", is_router, build_router, is_emulated_router, restore_router)
+"""MoE routers: not in ``CONVERTERS`` (they stay float32 by default); converted only when an override names them
+(nn/_router.py)."""
+
+
 def _emulated_by(m: nn.Module) -> Converter | None:
-    return next((c for c in CONVERTERS if c.is_emulated(m)), None)
+    return next((c for c in [*CONVERTERS, ROUTER] if c.is_emulated(m)), None)
 
 
 def _keep_reason(name: str, mod: nn.Module, recipe: Recipe, ancestors: list[nn.Module]) -> str | None:
@@ -108,11 +114,19 @@ def _keep_reason(name: str, mod: nn.Module, recipe: Recipe, ancestors: list[nn.M
     return None
 
 
-def _linear_recipe(name: str, recipe: Recipe) -> tuple[LinearRecipe, str]:
-    """The LinearRecipe for module ``name`` and where it comes from (the recipe, or an override pattern)."""
+def _override(name: str, recipe: Recipe) -> tuple[LinearRecipe, str] | None:
+    """The first ``recipe.overrides`` entry whose pattern matches module ``name``: (its recipe, the pattern)."""
     for pattern, lin in recipe.overrides:
         if fnmatch.fnmatchcase(name, pattern):
-            return lin, f"{recipe.name} override {pattern!r}"
+            return lin, pattern
+    return None
+
+
+def _linear_recipe(name: str, recipe: Recipe) -> tuple[LinearRecipe, str]:
+    """The LinearRecipe for module ``name`` and where it comes from (the recipe, or an override pattern)."""
+    found = _override(name, recipe)
+    if found is not None:
+        return found[0], f"{recipe.name} override {found[1]!r}"
     return recipe.linear, recipe.name
 
 
@@ -166,15 +180,7 @@ def _gemm_params(mod: nn.Module) -> tuple[str, ...]:
 
 
 ROUTER_REASON = ("MoE router: float32 by design (a rounded router logit can flip a token's top-k experts, a "
-                 "discrete change no GEMM format budgets for)")
-
-
-def is_router(mod: nn.Module) -> bool:
-    """A transformers MoE router (``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``DeepseekV3TopkRouter``, ...):
-    a class named ``*Router`` with a 2-D ``weight`` [experts, hidden] it multiplies through ``F.linear``.  Its
-    logits pick each token's experts, so it stays float32 and is listed in the report as kept, not as unknown."""
-    w = getattr(mod, "weight", None)
-    return type(mod).__name__.lower().endswith("router") and isinstance(w, nn.Parameter) and w.dim() == 2
+                 "discrete change no GEMM format budgets for); an override naming it emulates it")
 
 
 _CONVS = (nn.modules.conv._ConvNd,)
@@ -226,8 +232,20 @@ def _plan(model: nn.Module, recipe: Recipe, module_filter: ModuleFilter | None
                                        reason="convolution: lowprec emulates linear GEMMs only; runs in float32"))
             return False
         if is_router(mod):
-            entries.append(ModuleEntry(name, tname, "router", "kept", params=params, reason=ROUTER_REASON))
-            return False
+            override = _override(name, recipe)
+            reason = _keep_reason(name, mod, recipe, ancestors) or (ROUTER_REASON if override is None else None)
+            if reason is None and module_filter is not None and not module_filter(mod, name):
+                reason = "module_filter"
+            if reason is not None:
+                entries.append(ModuleEntry(name, tname, "router", "kept", params=params, reason=reason))
+            else:
+                assert override is not None
+                lin, pattern = override
+                check_router_recipe(lin, name)  # before any module is changed
+                entries.append(ModuleEntry(name, tname, "router", "converted", params=params,
+                                           recipe=f"{recipe.name} override {pattern!r} ({recipe_summary(lin)})"))
+                targets.append((name, mod, ROUTER, lin))
+            return True
         reason = _keep_reason(name, mod, recipe, ancestors)
         if reason is not None:
             entries.append(ModuleEntry(name, tname, "unknown", "kept", reason=reason, params=params))
