@@ -1,0 +1,30 @@
+"""Inference: post-training quantization schemes as data, the plan of which module gets which scheme, and the
+dequantized weights a serving kernel computes with (``docs/inference.md``)."""
+
+from ._plan import PlanEntry as PlanEntry
+from ._plan import check_fit as check_fit
+from ._plan import fake_quantize_weight as fake_quantize_weight
+from ._plan import plan as plan
+from ._plan import weight_spec as weight_spec
+from ._presets import get as get
+from ._presets import names as names
+from ._scheme import GRANULARITIES as GRANULARITIES
+from ._scheme import ConfigGroup as ConfigGroup
+from ._scheme import Granularity as Granularity
+from ._scheme import Scheme as Scheme
+from ._scheme import TensorScheme as TensorScheme
+
+__all__ = [
+    "GRANULARITIES",
+    "ConfigGroup",
+    "Granularity",
+    "PlanEntry",
+    "Scheme",
+    "TensorScheme",
+    "check_fit",
+    "fake_quantize_weight",
+    "get",
+    "names",
+    "plan",
+    "weight_spec",
+]
