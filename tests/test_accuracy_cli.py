@@ -90,6 +90,34 @@ def test_plan_prints_the_seeds_each_criterion_needs(workdir: Path, capsys: pytes
     assert rc == 2 and "worse_by_fraction must be" in err
 
 
+def test_plan_advice_counts_the_criteria_that_decide_a_pass(workdir: Path) -> None:
+    """The loss curve under curve_role = "guard" can only FAIL a verdict, so the advice's seed count is the largest
+    over the primary criteria (the finals); with curve_role = "primary" the curve counts too.  Oracle: the
+    per-criterion entries of the same plan."""
+    import dataclasses
+
+    from lowprec.accuracy import load_baseline, plan
+    from lowprec.runs import RunStore
+
+    with RunStore(workdir / "runs.db", create=False) as store:
+        stored = load_baseline(store, "acc")
+    assert stored.criteria.curve_role == "guard"
+    # wide final-metric margins (reachable with few seeds) and a tight curve margin: the curve needs the most seeds
+    b = dataclasses.replace(stored, criteria=dataclasses.replace(stored.criteria, curve_margin_rel=1e-4,
+                                                                 metric_margin_rel=0.5, metric_margins=None,
+                                                                 metric_margin_std=0.0))
+    p = plan(b)
+    finals = [e["candidate_seeds"] for k, e in p["criteria"].items() if k != "curve"]
+    curve = p["criteria"]["curve"]
+    assert curve["role"] == "guard" and None not in finals
+    assert curve["candidate_seeds"] is None or curve["candidate_seeds"] > max(finals)
+    assert p["candidate_seeds"] == max(finals)
+    primary = dataclasses.replace(b, criteria=dataclasses.replace(b.criteria, curve_role="primary"))
+    q = plan(primary)
+    every = [e["candidate_seeds"] for e in q["criteria"].values()]
+    assert q["candidate_seeds"] == (None if None in every else max(every)) != max(finals)
+
+
 def test_report_html(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store, out = str(workdir / "runs.db"), workdir / "r.html"
     rc, _, _ = _main(capsys, "report", "--baseline", "ref", "mlp-digits fp32", "lr-cut", "--store", store,

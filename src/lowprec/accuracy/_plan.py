@@ -37,10 +37,11 @@ def _curve_sigma_rel(b: Baseline) -> float:
     return float(np.median(rel[keep] if keep.any() else rel))
 
 
-def _entry(sigma: float, margin: float, delta: float, b: Baseline, *, scale: float) -> dict[str, Any]:
+def _entry(sigma: float, margin: float, delta: float, b: Baseline, *, scale: float,
+           role: str = "primary") -> dict[str, Any]:
     c = b.criteria
     gap = margin - delta
-    return {"sigma": sigma, "margin": margin, "assumed_worse_by": delta, "relative_to": scale,
+    return {"sigma": sigma, "margin": margin, "assumed_worse_by": delta, "relative_to": scale, "role": role,
             "candidate_seeds": seeds_needed(sigma, gap, alpha=c.pass_alpha, power=c.power, n_baseline=b.n_seeds),
             "seeds_per_side": seeds_needed(sigma, gap, alpha=c.pass_alpha, power=c.power, n_baseline=None)}
 
@@ -56,7 +57,8 @@ def plan(b: Baseline, *, worse_by_fraction: float = 0.0) -> dict[str, Any]:
     c = b.criteria
     out: dict[str, Any] = {}
     sig = _curve_sigma_rel(b)
-    out["curve"] = _entry(sig, c.curve_margin_rel, worse_by_fraction * c.curve_margin_rel, b, scale=1.0)
+    out["curve"] = _entry(sig, c.curve_margin_rel, worse_by_fraction * c.curve_margin_rel, b, scale=1.0,
+                          role=c.curve_role)
     for m in (list(c.metrics) if c.metrics is not None else list(b.metrics)):
         base = b.finals[m]
         margin = metric_margin(b, m)
@@ -66,8 +68,12 @@ def plan(b: Baseline, *, worse_by_fraction: float = 0.0) -> dict[str, Any]:
 
 
 def _summarise(b: Baseline, per: dict[str, Any]) -> dict[str, Any]:
+    # A guard criterion (the loss curve under curve_role = "guard") can only FAIL a verdict, never hold back a
+    # PASS, so the seeds that decide the verdict are those of the primary criteria.
+    deciding = [e for e in per.values() if e.get("role", "primary") == "primary"] or list(per.values())
+
     def worst(key: str) -> int | None:
-        got = [e[key] for e in per.values()]
+        got = [e[key] for e in deciding]
         return None if any(g is None for g in got) else max(got)
 
     m, k = worst("candidate_seeds"), worst("seeds_per_side")
@@ -124,8 +130,9 @@ def format_plan(b: Baseline, p: dict[str, Any]) -> str:
         mg = f"{e['margin'] / rel:.3%}" if name != "curve" else f"{e['margin']:.3%}"
         cs = "-" if e["candidate_seeds"] is None else str(e["candidate_seeds"])
         ps = "-" if e["seeds_per_side"] is None else str(e["seeds_per_side"])
-        lines.append(f"{name:<22} {sd:>11} {mg:>11} {cs:>12} {ps:>9}")
+        label = f"{name} (guard)" if e.get("role") == "guard" else name
+        lines.append(f"{label:<22} {sd:>11} {mg:>11} {cs:>12} {ps:>9}")
     lines.append("(seed sd and margin relative to the baseline mean; '-': not reachable: "
-                 "the baseline's own uncertainty is too large)")
+                 "the baseline's own uncertainty is too large; a guard can only FAIL, so the advice leaves it out)")
     lines.append(p["advice"])
     return "\n".join(lines)
