@@ -8,6 +8,10 @@ from ._plan import plan as plan
 from ._plan import weight_spec as weight_spec
 from ._presets import get as get
 from ._presets import names as names
+from ._quantize import QuantizedLinear as QuantizedLinear
+from ._quantize import fake_quantize_activation as fake_quantize_activation
+from ._quantize import quantize_model as quantize_model
+from ._quantize import unquantize_model as unquantize_model
 from ._scheme import GRANULARITIES as GRANULARITIES
 from ._scheme import ConfigGroup as ConfigGroup
 from ._scheme import Granularity as Granularity
@@ -19,12 +23,16 @@ __all__ = [
     "ConfigGroup",
     "Granularity",
     "PlanEntry",
+    "QuantizedLinear",
     "Scheme",
     "TensorScheme",
     "check_fit",
+    "fake_quantize_activation",
     "fake_quantize_weight",
     "get",
     "names",
     "plan",
+    "quantize_model",
+    "unquantize_model",
     "weight_spec",
 ]

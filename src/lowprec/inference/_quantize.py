@@ -1,0 +1,262 @@
+"""``quantize_model``: emulated (fake-quantized) inference of a whole model under a ``Scheme``.
+
+Every ``nn.Linear`` that ``plan(model, scheme)`` selects is replaced, in place, by a ``QuantizedLinear``:
+
+* its weight is quantized and dequantized once, at conversion (``fake_quantize_weight``), and stored as the
+  buffer ``weight`` in the layer's dtype; the forward never re-quantizes it.  The original weight is kept as the
+  non-persistent buffer ``original_weight`` (not in ``state_dict``; it follows ``.to()``) so that
+  ``unquantize_model`` gives back an ``nn.Linear`` with the same values bit for bit;
+* its input is fake-quantized on every call by the scheme's ``input_activations``: dynamic schemes compute their
+  scales from each input (per token, per tensor, per group: ``fake_quantize_activation``), static ones use the
+  per-tensor scale fixed by calibration (buffer ``input_scale``, float32);
+* then ``F.linear(x_hat, weight, bias)``.
+
+Serving semantics: weights and bias are buffers, so no gradient reaches them; use ``lowprec.nn`` for
+quantization-aware training.
+
+Calibration (static activation schemes) runs the *original* model, before any layer is replaced, in eval mode
+under ``torch.no_grad``, over ``calibration_data`` by lowprec's batch contract (``lowprec._batches.call_model``:
+a dict is ``model(**batch)``, a tuple ``(*inputs, target)`` is ``model(*inputs)``, a tensor is ``model(batch)``).
+A forward pre-hook on each statically quantized layer observes its input; ``_calibrate`` explains what each
+algorithm (``"max"``, ``"percentile"``, ``"mse"``) chooses.  The model is left untouched when anything fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._batches import call_model
+from .._errors import UsageError
+from . import _affine, _calibrate, _plan
+from ._scheme import Scheme, TensorScheme
+
+
+def _affine_view(ts: TensorScheme) -> TensorScheme:
+    """The weight-shaped scheme ``_affine`` applies to ``x`` reshaped to ``[tokens, K]`` (token = a row)."""
+    g = "channel" if ts.granularity == "token" else ts.granularity
+    return dataclasses.replace(ts, granularity=g, dynamic=False)
+
+
+def fake_quantize_activation(x: torch.Tensor, ts: TensorScheme, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize-dequantize an activation ``x [..., K]`` with ``ts`` (``x``'s shape and dtype).
+
+    ``scale`` given (static per-tensor, float32): ``_calibrate.fake_quantize_static``.  Otherwise dynamic: integer
+    schemes and float formats with float32 scales apply ``_affine``'s rules to ``x`` viewed as ``[tokens, K]``
+    (``"token"``: one scale per row, ``amax / 127.5`` for int8, ``amax / 448`` for e4m3; ``"tensor"``: one for the
+    whole input; ``"group"``/``"block"`` ``(1, b)``: one per group along ``K``); MX and NVFP4 are
+    ``lowprec.quant.fake_quantize`` with ``ts.quant_spec()``.
+    """
+    if scale is not None:
+        return _calibrate.fake_quantize_static(x, scale, ts)
+    if ts.scale_format != "float32":
+        from ..quant import fake_quantize
+
+        return fake_quantize(x, ts.quant_spec())
+    x2 = x.reshape(-1, x.shape[-1])
+    view = _affine_view(ts)
+    out = _affine.fake_quantize_int(x2, view) if ts.is_int else _affine.fake_quantize_float(x2, view)
+    return out.reshape(x.shape)
+
+
+class QuantizedLinear(nn.Module):
+    """An ``nn.Linear`` under a scheme, for emulated inference (module docstring).
+
+    Buffers: ``weight`` (fake-quantized once), ``bias`` (or None), ``original_weight`` (non-persistent),
+    ``input_scale`` (static activation schemes only: the calibrated float32 per-tensor scale)."""
+
+    weight: torch.Tensor
+    original_weight: torch.Tensor
+    bias: torch.Tensor | None
+    input_scale: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, *, name: str = "", group: str = "", weights: TensorScheme | None = None,
+                 input_activations: TensorScheme | None = None, input_scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.name = name
+        self.group = group
+        self.weights = weights
+        self.input_activations = input_activations
+        w = linear.weight.detach()
+        self._weight_requires_grad = linear.weight.requires_grad
+        with torch.no_grad():
+            wq = w.clone() if weights is None else _plan.fake_quantize_weight(w, weights)
+        self.register_buffer("weight", wq)
+        self.register_buffer("original_weight", w, persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        static = input_activations is not None and input_activations.dynamic is False
+        if static and input_scale is None:
+            raise UsageError(f"QuantizedLinear {name!r}: a static activation scheme needs input_scale")
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise UsageError(f"layer {self.name!r} expects inputs [..., {self.in_features}] (in_features); got "
+                             f"{list(x.shape)}")
+        if self.input_activations is not None:
+            x = fake_quantize_activation(x, self.input_activations, self.input_scale)
+        return F.linear(x, self.weight, self.bias)
+
+    def to_linear(self) -> nn.Linear:
+        """An ``nn.Linear`` with the original weight and bias (values bit for bit; new Parameters)."""
+        w = self.original_weight
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=w.device,
+                        dtype=w.dtype)
+        lin.weight = nn.Parameter(w, requires_grad=self._weight_requires_grad)
+        if self.bias is not None:
+            lin.bias = nn.Parameter(self.bias)
+        return lin
+
+    def extra_repr(self) -> str:
+        act = "none" if self.input_activations is None else (
+            f"{self.input_activations.format}/{self.input_activations.granularity}"
+            f"/{'static' if self.input_activations.dynamic is False else 'dynamic'}")
+        wts = "none" if self.weights is None else f"{self.weights.format}/{self.weights.granularity}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weights={wts}, input_activations={act}")
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _check_static(name: str, ts: TensorScheme) -> None:
+    if ts.dynamic == "local":
+        raise UsageError(f"layer {name!r}: input_activations.dynamic='local' (NVFP4's calibrated tensor scale) is not"
+                         " supported by quantize_model yet; use a dynamic scheme (dynamic=True)")
+    if ts.dynamic is False and (ts.granularity != "tensor" or ts.scale_format != "float32" or not ts.symmetric):
+        raise UsageError(f"layer {name!r}: static (dynamic=False) input activations are calibrated per tensor with a "
+                         f"float32 scale, symmetric; got granularity={ts.granularity!r}, scale_format="
+                         f"{ts.scale_format!r}, symmetric={ts.symmetric}: use granularity='tensor' or dynamic=True")
+
+
+def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, TensorScheme],
+              calibration_data: Iterable[Any], *, algorithm: str = "max", percentile: float = 99.99,
+              batches: int | None = None) -> dict[str, torch.Tensor]:
+    """The float32 static input scale of every layer in ``static`` (name -> activation scheme) from running
+    ``model`` over ``calibration_data`` (module docstring; ``_calibrate`` for the algorithms)."""
+    _calibrate.check_algorithm(algorithm, percentile)
+    keep = algorithm != "max"
+    seen: dict[str, Any] = {n: [] if keep else None for n in static}
+    current = [0]
+
+    def hook_for(name: str, in_features: int) -> Any:
+        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0] if args else None
+            if not isinstance(x, torch.Tensor) or x.shape[-1:] != (in_features,):
+                got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise UsageError(f"calibration batch {current[0]}: layer {name!r} expects inputs [..., {in_features}]"
+                                 f" (in_features={in_features}); got {got}: check the calibration data's shape")
+            if keep:
+                seen[name].append(x.detach().float().reshape(-1).clone())
+            else:
+                amax = x.detach().float().abs().amax()
+                seen[name] = amax if seen[name] is None else torch.maximum(seen[name], amax)
+        return hook
+
+    hooks = [layers[n].register_forward_pre_hook(hook_for(n, layers[n].in_features)) for n in static]
+    modes = {m: m.training for m in model.modules()}
+    count = 0
+    try:
+        model.eval()
+        data = calibration_data if batches is None else itertools.islice(calibration_data, batches)
+        with torch.no_grad():
+            for i, batch in enumerate(data):
+                current[0] = i
+                try:
+                    call_model(model, batch)
+                except (RuntimeError, TypeError) as e:
+                    raise UsageError(f"calibration batch {i}: the model cannot run on it ({type(e).__name__}: {e});"
+                                     " check that the batches are what the model takes") from e
+                count += 1
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    if count == 0:
+        raise UsageError("quantize_model: calibration_data is empty (no batch): pass at least one batch of "
+                         "representative inputs")
+    missing = [n for n in static if seen[n] is None or (keep and not seen[n])]
+    if missing:
+        raise UsageError(f"quantize_model: the calibration batches never reached layer(s) {missing}: their static "
+                         "input scales cannot be calibrated")
+    return {n: _calibrate.scale_from_clip(_calibrate.clip_value(seen[n], ts, algorithm, percentile), ts)
+            for n, ts in static.items()}
+
+
+def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[Any] | None = None, *,
+                   algorithm: str = "max", percentile: float = 99.99, batches: int | None = None) -> nn.Module:
+    """Replace, in place, every ``nn.Linear`` that ``plan(model, scheme)`` selects by a ``QuantizedLinear``
+    (fake-quantized weights once, fake-quantized inputs on every call) and return ``model``.
+
+    Args:
+        calibration_data: an iterable of batches (lowprec's batch contract: dict, ``(*inputs, target)`` tuple, or
+            tensor), required when a layer's input activations are static (``dynamic=False``), ignored otherwise.
+        algorithm: how static scales are chosen: ``"max"`` (no clipping), ``"percentile"`` (clip the largest
+            ``1 - percentile/100`` of magnitudes) or ``"mse"`` (least mean squared fake-quantization error over
+            a grid of 100 clipping ratios from 0.5 to 1.0 of the range); ``lowprec.inference._calibrate``.
+        percentile: for ``"percentile"``, in (0, 100].
+        batches: use at most this many calibration batches (None: all).
+
+    Raises ``UsageError`` for a scheme that selects nothing or a module that is not an ``nn.Linear``, an already
+    quantized model, a static scheme without calibration data or with an empty one, a calibration batch whose
+    shape a layer cannot take (naming the layer and its ``in_features``), an unknown algorithm.  On error the model
+    is unchanged.  ``unquantize_model`` undoes it.
+    """
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"quantize_model: model must be a torch.nn.Module; got {type(model).__name__}")
+    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        raise UsageError("quantize_model: the model already holds QuantizedLinear layers; call "
+                         "lowprec.inference.unquantize_model(model) first")
+    _calibrate.check_algorithm(algorithm, percentile)
+    if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
+        raise UsageError(f"quantize_model: batches must be a positive int or None; got {batches!r}")
+    entries = _plan.plan(model, scheme)
+    if not entries:
+        raise UsageError(f"quantize_model: scheme {scheme.name!r} selects no module of this model; check its targets")
+    for e in entries:
+        if type(e.module) is not nn.Linear:
+            raise UsageError(f"quantize_model: module {e.name!r} is a {type(e.module).__name__}; only nn.Linear is "
+                             "quantized: add it to Scheme.ignore")
+        if e.input_activations is not None:
+            _check_static(e.name, e.input_activations)
+    static = {e.name: e.input_activations for e in entries
+              if e.input_activations is not None and e.input_activations.dynamic is False}
+    scales: dict[str, torch.Tensor] = {}
+    if static:
+        if calibration_data is None:
+            raise UsageError(f"quantize_model: scheme {scheme.name!r} has static input activations (layers "
+                             f"{sorted(static)[:5]}{'...' if len(static) > 5 else ''}) and needs calibration_data; "
+                             "pass batches of representative inputs, or use a dynamic scheme (e.g. 'fp8-dynamic')")
+        layers = {e.name: e.module for e in entries}
+        scales = calibrate(model, layers, static, calibration_data,  # type: ignore[arg-type]
+                           algorithm=algorithm, percentile=percentile, batches=batches)
+    new = {e.name: QuantizedLinear(e.module, name=e.name, group=e.group, weights=e.weights,  # type: ignore[arg-type]
+                                   input_activations=e.input_activations, input_scale=scales.get(e.name))
+           for e in entries}
+    for name, module in new.items():
+        _set_module(model, name, module)
+    return model
+
+
+def unquantize_model(model: nn.Module) -> nn.Module:
+    """Replace, in place, every ``QuantizedLinear`` by an ``nn.Linear`` with its original weight and bias (bit for
+    bit) and return ``model``."""
+    names = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    if isinstance(model, QuantizedLinear):
+        raise UsageError("unquantize_model: pass the model holding the QuantizedLinear, not the layer itself; "
+                         "use layer.to_linear()")
+    for name in names:
+        _set_module(model, name, model.get_submodule(name).to_linear())  # type: ignore[operator]
+    return model
