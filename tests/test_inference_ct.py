@@ -36,9 +36,6 @@ ct_helpers = pytest.importorskip("compressed_tensors.quantization.utils.helpers"
 CT_PRESET = {"w8a8-int8": "W8A8", "w4a16-int4": "W4A16", "w4a16-int4-asym": "W4A16_ASYM", "fp8-static": "FP8",
              "fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK", "mxfp8": "MXFP8", "mxfp4": "MXFP4",
              "nvfp4": "NVFP4"}
-_BITS_TYPE = {"int8": (8, "int"), "int4": (4, "int"), "float8_e4m3fn": (8, "float"), "float4_e2m1fn": (4, "float")}
-# compressed-tensors stores E8M0 (MX) scales as uint8 exponents; NVFP4 group scales as float8_e4m3fn.
-_SCALE_DTYPE = {"float32": None, "float8_e8m0fnu": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def _weight(n: int = 256, k: int = 512, seed: int = 0) -> torch.Tensor:
@@ -50,33 +47,12 @@ def _weight(n: int = 256, k: int = 512, seed: int = 0) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- converter
-def to_ct_args(ts: I.TensorScheme) -> Any:
-    """A lowprec ``TensorScheme`` as compressed-tensors ``QuantizationArgs`` (validated by pydantic).
-    ``scale_rounding`` has no field there: compressed-tensors' MX rule is fixed (module docstring)."""
-    bits, typ = _BITS_TYPE[ts.format]
-    kw: dict[str, Any] = dict(num_bits=bits, type=typ, strategy=ts.granularity, symmetric=ts.symmetric,
-                              dynamic=ts.dynamic)
-    if ts.group_size is not None:
-        kw["group_size"] = ts.group_size
-    if ts.block is not None:
-        kw["block_structure"] = list(ts.block)
-    sdt = _SCALE_DTYPE[ts.scale_format]
-    if sdt is not None:
-        kw.update(scale_dtype=sdt, zp_dtype=sdt)
-    return ct_q.QuantizationArgs(**kw)
-
-
 def to_ct_config(scheme: I.Scheme) -> Any:
-    """A lowprec ``Scheme`` (via its ``to_dict``) as a compressed-tensors ``QuantizationConfig``."""
-    d = I.Scheme.from_dict(scheme.to_dict())
-    groups = {}
-    for g in d.config_groups:
-        groups[g.name] = ct_q.QuantizationScheme(
-            targets=list(g.targets),
-            weights=to_ct_args(g.weights) if g.weights is not None else None,
-            input_activations=to_ct_args(g.input_activations) if g.input_activations is not None else None)
-    kv = to_ct_args(d.kv_cache) if d.kv_cache is not None else None
-    return ct_q.QuantizationConfig(config_groups=groups, ignore=list(d.ignore), kv_cache_scheme=kv)
+    """A lowprec ``Scheme`` (via its ``to_dict``) as a compressed-tensors ``QuantizationConfig``: the library's
+    ``to_compressed_tensors_config`` (the ``quantization_config`` of a saved checkpoint), validated by pydantic.
+    ``scale_rounding`` has no field there: compressed-tensors' MX rule is fixed (module docstring)."""
+    d = I.to_compressed_tensors_config(I.Scheme.from_dict(scheme.to_dict()))
+    return ct_q.QuantizationConfig.model_validate(d)
 
 
 _FIELDS = ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic", "block_structure", "scale_dtype")

@@ -1,6 +1,10 @@
 """Inference: post-training quantization schemes as data, the plan of which module gets which scheme, and the
 dequantized weights a serving kernel computes with (``docs/inference.md``)."""
 
+from ._checkpoint import from_compressed_tensors_config as from_compressed_tensors_config
+from ._checkpoint import load_quantized as load_quantized
+from ._checkpoint import save_quantized as save_quantized
+from ._checkpoint import to_compressed_tensors_config as to_compressed_tensors_config
 from ._plan import PlanEntry as PlanEntry
 from ._plan import check_fit as check_fit
 from ._plan import fake_quantize_weight as fake_quantize_weight
@@ -29,10 +33,14 @@ __all__ = [
     "check_fit",
     "fake_quantize_activation",
     "fake_quantize_weight",
+    "from_compressed_tensors_config",
     "get",
+    "load_quantized",
     "names",
     "plan",
     "quantize_model",
+    "save_quantized",
+    "to_compressed_tensors_config",
     "unquantize_model",
     "weight_spec",
 ]
