@@ -18,14 +18,16 @@ Calibration (static activation schemes) runs the *original* model, before any la
 under ``torch.no_grad``, over ``calibration_data`` by lowprec's batch contract (``lowprec._batches.call_model``:
 a dict is ``model(**batch)``, a tuple ``(*inputs, target)`` is ``model(*inputs)``, a tensor is ``model(batch)``).
 A forward pre-hook on each statically quantized layer observes its input; ``_calibrate`` explains what each
-algorithm (``"max"``, ``"percentile"``, ``"mse"``) chooses.  The model is left untouched when anything fails.
+algorithm (``"max"``, ``"percentile"``, ``"mse"``) chooses.  The weight- and activation-aware algorithms
+``"gptq"``, ``"awq"`` and ``"smoothquant"`` observe every quantized layer's inputs in the same way and are
+explained in ``_algorithms``.  The model is left untouched when anything fails.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from torch import nn
 
 from .._batches import call_model
 from .._errors import UsageError
-from . import _affine, _calibrate, _plan
+from . import _affine, _algorithms, _calibrate, _plan
 from ._scheme import Scheme, TensorScheme
 
 
@@ -69,15 +71,28 @@ class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` under a scheme, for emulated inference (module docstring).
 
     Buffers: ``weight`` (fake-quantized once), ``bias`` (or None), ``original_weight`` (non-persistent),
-    ``input_scale`` (static activation schemes only: the calibrated float32 per-tensor scale)."""
+    ``input_scale`` (static activation schemes only: the calibrated float32 per-tensor scale), ``smooth`` (None,
+    or a float32 ``[in_features]`` per-input-channel divisor: SmoothQuant, and AWQ when the inputs are quantized;
+    the forward computes ``x / smooth`` before the activation quantizer and ``weight`` is the quantized
+    ``original_weight * smooth``), ``weight_scale`` / ``weight_zero_point`` (non-persistent; None, or for GPTQ the
+    float32 scales and zero points its weight was quantized with, ``_algorithms.gptq_weight``; otherwise the
+    scales follow from ``fake_quantize_weight``).
+
+    ``quantized_weight`` given (GPTQ, AWQ): it is ``weight`` as it is (cast to the layer's dtype), instead of
+    ``fake_quantize_weight(original_weight * smooth)``."""
 
     weight: torch.Tensor
     original_weight: torch.Tensor
     bias: torch.Tensor | None
     input_scale: torch.Tensor | None
+    smooth: torch.Tensor | None
+    weight_scale: torch.Tensor | None
+    weight_zero_point: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, *, name: str = "", group: str = "", weights: TensorScheme | None = None,
-                 input_activations: TensorScheme | None = None, input_scale: torch.Tensor | None = None) -> None:
+                 input_activations: TensorScheme | None = None, input_scale: torch.Tensor | None = None,
+                 smooth: torch.Tensor | None = None, quantized_weight: torch.Tensor | None = None,
+                 weight_scale: torch.Tensor | None = None, weight_zero_point: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -87,8 +102,15 @@ class QuantizedLinear(nn.Module):
         self.input_activations = input_activations
         w = linear.weight.detach()
         self._weight_requires_grad = linear.weight.requires_grad
+        if smooth is not None and tuple(smooth.shape) != (self.in_features,):
+            raise UsageError(f"QuantizedLinear {name!r}: smooth must be [{self.in_features}] (in_features); got "
+                             f"{list(smooth.shape)}")
         with torch.no_grad():
-            wq = w.clone() if weights is None else _plan.fake_quantize_weight(w, weights)
+            if quantized_weight is not None:
+                wq = quantized_weight.detach().to(w.dtype).clone()
+            else:
+                base = w if smooth is None else w.float() * smooth.float()
+                wq = (base.clone() if weights is None else _plan.fake_quantize_weight(base, weights)).to(w.dtype)
         self.register_buffer("weight", wq)
         self.register_buffer("original_weight", w, persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
@@ -96,11 +118,18 @@ class QuantizedLinear(nn.Module):
         if static and input_scale is None:
             raise UsageError(f"QuantizedLinear {name!r}: a static activation scheme needs input_scale")
         self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().float().clone())
+        self.register_buffer("smooth", None if smooth is None else smooth.detach().float().clone())
+        self.register_buffer("weight_scale", None if weight_scale is None else weight_scale.detach().float().clone(),
+                             persistent=False)
+        self.register_buffer("weight_zero_point", None if weight_zero_point is None else
+                             weight_zero_point.detach().float().clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise UsageError(f"layer {self.name!r} expects inputs [..., {self.in_features}] (in_features); got "
                              f"{list(x.shape)}")
+        if self.smooth is not None:
+            x = (x / self.smooth).to(x.dtype)
         if self.input_activations is not None:
             x = fake_quantize_activation(x, self.input_activations, self.input_scale)
         return F.linear(x, self.weight, self.bias)
@@ -121,7 +150,7 @@ class QuantizedLinear(nn.Module):
             f"/{'static' if self.input_activations.dynamic is False else 'dynamic'}")
         wts = "none" if self.weights is None else f"{self.weights.format}/{self.weights.granularity}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"weights={wts}, input_activations={act}")
+                f"weights={wts}, input_activations={act}" + (", smooth=True" if self.smooth is not None else ""))
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -140,14 +169,11 @@ def _check_static(name: str, ts: TensorScheme) -> None:
                          f"{ts.scale_format!r}, symmetric={ts.symmetric}: use granularity='tensor' or dynamic=True")
 
 
-def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, TensorScheme],
-              calibration_data: Iterable[Any], *, algorithm: str = "max", percentile: float = 99.99,
-              batches: int | None = None) -> dict[str, torch.Tensor]:
-    """The float32 static input scale of every layer in ``static`` (name -> activation scheme) from running
-    ``model`` over ``calibration_data`` (module docstring; ``_calibrate`` for the algorithms)."""
-    _calibrate.check_algorithm(algorithm, percentile)
-    keep = algorithm != "max"
-    seen: dict[str, Any] = {n: [] if keep else None for n in static}
+def _observe(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[str, torch.Tensor], None],
+             calibration_data: Iterable[Any], batches: int | None) -> None:
+    """Run ``model`` (eval mode, no grad) over ``calibration_data`` and call ``observe(name, x)`` with every input
+    ``x`` of every layer in ``layers`` (module docstring); UsageError for a batch a layer cannot take, a batch the
+    model cannot run, and empty data.  Modes are restored and hooks removed whatever happens."""
     current = [0]
 
     def hook_for(name: str, in_features: int) -> Any:
@@ -157,14 +183,10 @@ def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, 
                 got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise UsageError(f"calibration batch {current[0]}: layer {name!r} expects inputs [..., {in_features}]"
                                  f" (in_features={in_features}); got {got}: check the calibration data's shape")
-            if keep:
-                seen[name].append(x.detach().float().reshape(-1).clone())
-            else:
-                amax = x.detach().float().abs().amax()
-                seen[name] = amax if seen[name] is None else torch.maximum(seen[name], amax)
+            observe(name, x)
         return hook
 
-    hooks = [layers[n].register_forward_pre_hook(hook_for(n, layers[n].in_features)) for n in static]
+    hooks = [layers[n].register_forward_pre_hook(hook_for(n, layers[n].in_features)) for n in layers]
     modes = {m: m.training for m in model.modules()}
     count = 0
     try:
@@ -187,6 +209,25 @@ def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, 
     if count == 0:
         raise UsageError("quantize_model: calibration_data is empty (no batch): pass at least one batch of "
                          "representative inputs")
+
+
+def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, TensorScheme],
+              calibration_data: Iterable[Any], *, algorithm: str = "max", percentile: float = 99.99,
+              batches: int | None = None) -> dict[str, torch.Tensor]:
+    """The float32 static input scale of every layer in ``static`` (name -> activation scheme) from running
+    ``model`` over ``calibration_data`` (module docstring; ``_calibrate`` for the algorithms)."""
+    _calibrate.check_algorithm(algorithm, percentile)
+    keep = algorithm != "max"
+    seen: dict[str, Any] = {n: [] if keep else None for n in static}
+
+    def observe(name: str, x: torch.Tensor) -> None:
+        if keep:
+            seen[name].append(x.detach().float().reshape(-1).clone())
+        else:
+            amax = x.detach().float().abs().amax()
+            seen[name] = amax if seen[name] is None else torch.maximum(seen[name], amax)
+
+    _observe(model, {n: layers[n] for n in static}, observe, calibration_data, batches)
     missing = [n for n in static if seen[n] is None or (keep and not seen[n])]
     if missing:
         raise UsageError(f"quantize_model: the calibration batches never reached layer(s) {missing}: their static "
@@ -195,8 +236,49 @@ def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, 
             for n, ts in static.items()}
 
 
+def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_data: Iterable[Any],
+                  algorithm: str, options: dict[str, Any], batches: int | None) -> dict[str, QuantizedLinear]:
+    """The ``QuantizedLinear`` of every planned layer under ``"gptq"``, ``"awq"`` or ``"smoothquant"``
+    (``_algorithms``), from one calibration pass; static activation scales are the ``"max"`` of each layer's
+    (smoothed) inputs."""
+    layers: dict[str, nn.Linear] = {e.name: e.module for e in entries}  # type: ignore[misc]
+    stats = {n: _algorithms.LayerStats(need_gram=algorithm != "smoothquant") for n in layers}
+    _observe(model, layers, lambda n, x: stats[n].add(x), calibration_data, batches)
+    missing = [n for n in layers if stats[n].tokens == 0]
+    if missing:
+        raise UsageError(f"quantize_model: the calibration batches never reached layer(s) {missing}: algorithm="
+                         f"{algorithm!r} needs their inputs")
+    out: dict[str, QuantizedLinear] = {}
+    for e in entries:
+        lin, st, ts, act = layers[e.name], stats[e.name], e.weights, e.input_activations
+        w = lin.weight.detach()
+        smooth = qw = wscale = wzp = None
+        if algorithm == "smoothquant":
+            smooth = _algorithms.smoothquant_scale(st.amax, w, options["alpha"])  # type: ignore[arg-type]
+        elif ts is not None and algorithm == "gptq":
+            qw, wscale, wzp = _algorithms.gptq_weight(w, _algorithms.hessian(st), ts, damp=options["damp"],
+                                                       block_size=options["block_size"],
+                                                       act_order=options["act_order"])
+        elif ts is not None:  # awq
+            s = _algorithms.awq_search(w, st, ts, options["n_grid"])[0]
+            if act is None:
+                qw = _algorithms.awq_weight(w, s, ts) / s
+            else:
+                smooth, qw = s, _algorithms.awq_weight(w, s, ts)
+        scale = None
+        if act is not None and act.dynamic is False:
+            assert st.amax is not None
+            amax = st.amax if smooth is None else (st.amax / smooth).to(st.dtype).float()
+            scale = _calibrate.scale_from_clip(amax.max(), act)
+        out[e.name] = QuantizedLinear(lin, name=e.name, group=e.group, weights=ts, input_activations=act,
+                                      input_scale=scale, smooth=smooth, quantized_weight=qw, weight_scale=wscale,
+                                      weight_zero_point=wzp)
+    return out
+
+
 def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[Any] | None = None, *,
-                   algorithm: str = "max", percentile: float = 99.99, batches: int | None = None) -> nn.Module:
+                   algorithm: str = "max", percentile: float = 99.99, batches: int | None = None,
+                   options: dict[str, Any] | None = None) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` that ``plan(model, scheme)`` selects by a ``QuantizedLinear``
     (fake-quantized weights once, fake-quantized inputs on every call) and return ``model``.
 
@@ -206,20 +288,34 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
         algorithm: how static scales are chosen: ``"max"`` (no clipping), ``"percentile"`` (clip the largest
             ``1 - percentile/100`` of magnitudes) or ``"mse"`` (least mean squared fake-quantization error over
             a grid of 100 clipping ratios from 0.5 to 1.0 of the range); ``lowprec.inference._calibrate``.
+            Or a weight/activation-aware algorithm (``lowprec.inference._algorithms``), which needs
+            ``calibration_data`` for every scheme: ``"gptq"`` (weights minimising the layer's output error by
+            column-wise error compensation with the inverse Hessian), ``"awq"`` (per-input-channel scales
+            ``mean|x|^a`` protecting salient channels, ``a`` searched for the least output error) or
+            ``"smoothquant"`` (per-input-channel ``x / s``, ``W diag(s)``: activation outliers move into the
+            weights).  With these, static activation scales are the ``"max"`` of each layer's input (after the
+            ``x / s`` of SmoothQuant, and of AWQ when the scheme quantizes inputs).
         percentile: for ``"percentile"``, in (0, 100].
         batches: use at most this many calibration batches (None: all).
+        options: the parameters of ``"gptq"`` (``damp`` = 0.01: dampening fraction of ``mean(diag(H))``;
+            ``block_size`` = 128: columns per lazy-update block; ``act_order`` = False: columns by decreasing
+            ``diag(H)``), ``"awq"`` (``n_grid`` = 20: exponents ``0, 1/n_grid, ..``) or ``"smoothquant"``
+            (``alpha`` = 0.5 in [0, 1]); a dict with any of these keys, the rest default.  None for the others.
 
     Raises ``UsageError`` for a scheme that selects nothing or a module that is not an ``nn.Linear``, an already
     quantized model, a static scheme without calibration data or with an empty one, a calibration batch whose
-    shape a layer cannot take (naming the layer and its ``in_features``), an unknown algorithm.  On error the model
-    is unchanged.  ``unquantize_model`` undoes it.
+    shape a layer cannot take (naming the layer and its ``in_features``), an unknown algorithm, a bad option, GPTQ
+    on MX / NVFP4 weights.  On error the model is unchanged.  ``unquantize_model`` undoes it.
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"quantize_model: model must be a torch.nn.Module; got {type(model).__name__}")
     if any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise UsageError("quantize_model: the model already holds QuantizedLinear layers; call "
                          "lowprec.inference.unquantize_model(model) first")
-    _calibrate.check_algorithm(algorithm, percentile)
+    aware = algorithm in _algorithms.WEIGHT_ALGORITHMS
+    if not aware:
+        _calibrate.check_algorithm(algorithm, percentile)
+    opts = _algorithms.check_options(algorithm, options)  # type: ignore[arg-type]
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise UsageError(f"quantize_model: batches must be a positive int or None; got {batches!r}")
     entries = _plan.plan(model, scheme)
@@ -231,6 +327,15 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
                              "quantized: add it to Scheme.ignore")
         if e.input_activations is not None:
             _check_static(e.name, e.input_activations)
+        _algorithms.check_weights(algorithm, e.name, e.weights)
+    if aware:
+        if calibration_data is None:
+            raise UsageError(f"quantize_model: algorithm={algorithm!r} needs calibration_data (the layers' inputs); "
+                             "pass batches of representative inputs")
+        new = _weight_aware(model, entries, calibration_data, algorithm, opts, batches)
+        for name, module in new.items():
+            _set_module(model, name, module)
+        return model
     static = {e.name: e.input_activations for e in entries
               if e.input_activations is not None and e.input_activations.dynamic is False}
     scales: dict[str, torch.Tensor] = {}
