@@ -11,13 +11,34 @@ config (when it has ``.config.to_dict()``) and ``quantization_config`` (``to_com
                     <name>.weight_zero_point (asymmetric; group / channel: int32 packed along N)
     float-quantized (fp8 weights with activations)              <name>.weight float8_e4m3fn [N, K], .weight_scale
     naive-quantized (fp8 weights only)                          as float-quantized
+    mxfp8-quantized      (mxfp8)   <name>.weight float8_e4m3fn [N, K], <name>.weight_scale uint8 [N, K/32]
+    mxfp4-pack-quantized (mxfp4)   <name>.weight_packed uint8 [N, K/2], <name>.weight_scale uint8 [N, K/32]
+    nvfp4-pack-quantized (nvfp4)   <name>.weight_packed uint8 [N, K/2], <name>.weight_scale float8_e4m3fn
+                                   [N, K/16], <name>.weight_global_scale float32 [1]
 
-``weight_scale`` is float32: ``[1]`` per tensor, ``[N, 1]`` per channel, ``[N, K/g]`` per group, ``[N/a, K/b]``
-per block; ``weight_zero_point`` int8 in the scale's shape (before packing).  Packing (``pack_to_int32``): codes
-``q + 2^(b-1)`` (unsigned), element ``j`` of each run of ``32/b`` at bits ``[b*j, b*j + b)`` of one int32 word.
-Every other tensor of the state dict is stored as is.  The codes are lowprec's own (``_affine``), so that
-dequantizing them, ``(q - zero_point) * scale`` (compressed-tensors' ``dequantize``), is ``fake_quantize_weight``
-bit for bit.  MX and NVFP4 are not written yet.
+``weight_scale`` is float32 for int and fp8: ``[1]`` per tensor, ``[N, 1]`` per channel, ``[N, K/g]`` per group,
+``[N/a, K/b]`` per block; ``weight_zero_point`` int8 in the scale's shape (before packing).  Packing
+(``pack_to_int32``): codes ``q + 2^(b-1)`` (unsigned), element ``j`` of each run of ``32/b`` at bits
+``[b*j, b*j + b)`` of one int32 word.  The codes are lowprec's own (``_affine``), so that dequantizing them,
+``(q - zero_point) * scale`` (compressed-tensors' ``dequantize``), is ``fake_quantize_weight`` bit for bit.
+
+MX and NVFP4 (``lowprec.quant.quantize_scaled``'s codes and scales, so the stored values are lowprec's, not what
+compressed-tensors' observers would choose): e2m1 codes (``sign << 3 | exponent << 1 | mantissa``: 0, 0.5, 1,
+1.5, 2, 3, 4, 6) two per byte, element ``2i`` in the low nibble; E8M0 scales as their uint8 biased exponent
+(``2^(byte - 127)``; 255, E8M0's NaN, is never written: non-finite weights are refused).  NVFP4's
+``weight_global_scale`` is compressed-tensors' convention, the *reciprocal* of lowprec's float32 tensor scale
+``s_t = amax / (6 * 448)``: compressed-tensors dequantizes ``codes * (weight_scale / weight_global_scale)``,
+lowprec ``codes * (weight_scale * s_t)``.  No float32 ``g`` makes ``s / g == s * s_t`` for every e4m3 ``s`` in
+general, so ``weight_global_scale`` is the float32 within 16 ulps of ``1 / s_t`` that agrees best for the layer's
+own group scales (first: compressed-tensors' bfloat16 result equals ``bfloat16(lowprec)``; then the most exact
+float32 scales), and lowprec's exact ``s_t`` is kept in the safetensors metadata (``lowprec.tensor_scales``, hex
+floats), which ``load_quantized`` uses; a checkpoint without it is dequantized as compressed-tensors does.
+compressed-tensors 0.20.1 returns MX and NVFP4 weights in bfloat16 (``unpack_fp4_from_uint8``'s default dtype,
+MXFP8's bfloat16 scales): MX values are exact there, NVFP4's are rounded to bfloat16.
+
+Every other tensor of the state dict is stored as is.  A model already converted by ``quantize_model`` is saved
+from its ``QuantizedLinear`` layers (codes from ``original_weight``, checked against the layer's ``weight``);
+a layer with a ``smooth`` buffer (SmoothQuant / AWQ factors) is refused: fold it into the previous layer first.
 
 Loading reads only JSON and safetensors (``safetensors.torch.load_file``): nothing is unpickled.
 """
@@ -26,12 +47,13 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -43,11 +65,17 @@ from ._scheme import ConfigGroup, Scheme, TensorScheme
 _WEIGHTS_FILE = "model.safetensors"
 _CONFIG_FILE = "config.json"
 _META_GROUPS = "lowprec.config_groups"  # safetensors metadata: {layer name: config group name}
+_META_TENSOR_SCALES = "lowprec.tensor_scales"  # {layer name: float.hex(s_t)} of NVFP4 layers
 _BITS_TYPE = {"int8": (8, "int"), "int4": (4, "int"), "float8_e4m3fn": (8, "float"), "float4_e2m1fn": (4, "float")}
 _FORMAT_OF = {v: k for k, v in _BITS_TYPE.items()}
 _SCALE_DTYPE = {"float32": None, "float8_e8m0fnu": "torch.uint8", "float8_e4m3fn": "torch.float8_e4m3fn"}
 _SCALE_FORMAT_OF = {"torch.uint8": "float8_e8m0fnu", "torch.float8_e4m3fn": "float8_e4m3fn"}
-_SUPPORTED = ("int-quantized", "pack-quantized", "float-quantized", "naive-quantized")
+_SUPPORTED = ("int-quantized", "pack-quantized", "float-quantized", "naive-quantized", "mxfp8-quantized",
+              "mxfp4-pack-quantized", "nvfp4-pack-quantized")
+_NARROW = {"mxfp8-quantized": ("float8_e4m3fn", "float8_e8m0fnu", 32),
+           "mxfp4-pack-quantized": ("float4_e2m1fn", "float8_e8m0fnu", 32),
+           "nvfp4-pack-quantized": ("float4_e2m1fn", "float8_e4m3fn", 16)}  # format: (elements, scales, group)
+_GS_ULPS = 16  # NVFP4 weight_global_scale candidates: 1 / s_t +- this many float32 ulps
 _TINY = float.fromhex("0x1p-126")
 
 
@@ -157,7 +185,7 @@ def _scale_shape(ts: TensorScheme, n: int, k: int) -> tuple[int, ...]:
         return (1,)
     if g == "channel":
         return (n, 1)
-    if g == "group":
+    if g in ("group", "tensor_group"):
         return (n, k // int(ts.group_size or 1))
     a, b = ts.block or (1, 1)
     return (n // a, k // b)
@@ -173,8 +201,8 @@ def quantize_weight(weight: torch.Tensor, ts: TensorScheme) -> dict[str, torch.T
     ts.check_role("weights", "TensorScheme")
     check_fit(ts, tuple(weight.shape))
     if ts.scale_format != "float32" or ts.granularity == "tensor_group":
-        raise UsageError(f"checkpoints with {ts.format} weights and {ts.scale_format} scales (MX / NVFP4) are not "
-                         "supported yet; use an int8, int4 or float8_e4m3fn scheme with float32 scales")
+        raise UsageError(f"quantize_weight: {ts.format} weights with {ts.scale_format} scales (MX / NVFP4) are "
+                         "stored by _compress_narrow; quantize_weight is for float32-scale schemes")
     n, k = weight.shape
     g = _groups(weight.float(), ts)
     out: dict[str, torch.Tensor] = {}
@@ -220,7 +248,59 @@ def _unpack(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     return (u.reshape(rows, -1)[:, :cols] - (1 << (bits - 1))).to(torch.int8)
 
 
-def _compress(weight: torch.Tensor, ts: TensorScheme, fmt: str) -> dict[str, torch.Tensor]:
+def _nvfp4_global_scale(s_t: torch.Tensor, group_scales: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``weight_global_scale`` ``[1]`` for lowprec's tensor scale ``s_t`` (module docstring):
+    of the float32s within ``_GS_ULPS`` ulps of ``1 / s_t``, the one whose ``codes * (s / g)`` agrees best with
+    lowprec's ``codes * (s * s_t)`` over the layer's distinct group scales ``s`` and all e2m1 magnitudes."""
+    t = s_t.reshape(1).float()
+    s = torch.unique(group_scales.float()).reshape(-1, 1)
+    c = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    ours = s * t
+    ours_bf16 = (c * ours).bfloat16()
+    base = int((1.0 / t).view(torch.int32).item())
+    best: tuple[tuple[int, int, int], torch.Tensor] | None = None
+    for d in range(-_GS_ULPS, _GS_ULPS + 1):
+        g = torch.tensor([base + d], dtype=torch.int32).view(torch.float32)
+        if not (bool(torch.isfinite(g).all()) and float(g) > 0):
+            continue
+        theirs = s / g
+        key = (int(((c * theirs).bfloat16() != ours_bf16).sum()), int((theirs != ours).sum()), abs(d))
+        if best is None or key < best[0]:
+            best = (key, g)
+    if best is None:
+        raise UsageError(f"tensor scale {float(t)!r} has no finite float32 reciprocal for weight_global_scale")
+    return best[1]
+
+
+def _compress_narrow(weight: torch.Tensor, ts: TensorScheme, fmt: str, layer: str) -> dict[str, torch.Tensor]:
+    """MX / NVFP4 storage of one weight ``[N, K]`` (module docstring): lowprec's own codes and scales
+    (``quantize_scaled`` with ``ts.quant_spec()``, which ``fake_quantize_weight`` dequantizes bit for bit)."""
+    from ..quant import quantize_scaled
+    from ._plan import check_fit
+
+    elem, scale_fmt, group = _NARROW[fmt]
+    if (ts.format, ts.scale_format, ts.group_size) != (elem, scale_fmt, group) or ts.granularity not in (
+            ("tensor_group",) if fmt.startswith("nvfp4") else ("group",)):
+        raise UsageError(f"save_quantized: layer {layer!r}: format {fmt!r} stores {elem} in groups of {group} with "
+                         f"{scale_fmt} scales; the scheme has {ts.format}/{ts.granularity}/{ts.group_size} with "
+                         f"{ts.scale_format} scales")
+    check_fit(ts, tuple(weight.shape), module=layer)
+    if not bool(torch.isfinite(weight).all()):
+        raise UsageError(f"save_quantized: layer {layer!r}: the weight has NaN or inf elements, which MX / NVFP4 "
+                         "storage cannot hold (their group scale would be NaN); fix the weight first")
+    codes, scales = quantize_scaled(weight, ts.quant_spec())
+    if fmt == "mxfp8-quantized":
+        return {"weight": codes.contiguous(), "weight_scale": scales.view(torch.uint8).contiguous()}  # type: ignore[union-attr]
+    if fmt == "mxfp4-pack-quantized":
+        return {"weight_packed": codes.contiguous(), "weight_scale": scales.view(torch.uint8).contiguous()}  # type: ignore[union-attr]
+    group_scales, s_t = scales  # TwoLevelScales
+    return {"weight_packed": codes.contiguous(), "weight_scale": group_scales.contiguous(),
+            "weight_global_scale": _nvfp4_global_scale(s_t, group_scales), "_tensor_scale": s_t.reshape(())}
+
+
+def _compress(weight: torch.Tensor, ts: TensorScheme, fmt: str, layer: str = "") -> dict[str, torch.Tensor]:
+    if fmt in _NARROW:
+        return _compress_narrow(weight, ts, fmt, layer)
     t = quantize_weight(weight, ts)
     if fmt != "pack-quantized":
         return t
@@ -235,37 +315,98 @@ def _compress(weight: torch.Tensor, ts: TensorScheme, fmt: str) -> dict[str, tor
 
 
 # ------------------------------------------------------------------------------------------------ save / load
+class _Layer(NamedTuple):
+    name: str
+    group: str
+    weights: TensorScheme | None
+    original: torch.Tensor  # the weight to quantize
+    current: torch.Tensor | None  # QuantizedLinear.weight (checked against the stored codes), None for nn.Linear
+
+
+def _weight_of(module: nn.Module) -> torch.Tensor:
+    w = module.weight
+    assert isinstance(w, torch.Tensor)  # plan() checked it
+    return w.detach()
+
+
+def _layers(model: nn.Module, scheme: Scheme) -> list[_Layer]:
+    """The layers to store quantized: a model's ``QuantizedLinear`` layers when it has any (``quantize_model``),
+    otherwise ``plan(model, scheme)``."""
+    from ._plan import _matches, plan
+    from ._quantize import QuantizedLinear
+
+    for name, m in model.named_modules():
+        if getattr(m, "smooth", None) is not None:
+            raise UsageError(f"save_quantized: module {name or type(m).__name__!r} has a per-input-channel 'smooth' "
+                             "buffer (SmoothQuant / AWQ): smoothing factors must be folded into the previous layer "
+                             "before saving (compressed-tensors checkpoints have no place for them)")
+    quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    if not quantized:
+        return [_Layer(e.name, e.group, e.weights, _weight_of(e.module), None) for e in plan(model, scheme)]
+    groups = {g.name: g for g in scheme.config_groups}
+    for n, m in quantized:
+        if any(_matches(e, n, m) for e in scheme.ignore):
+            raise UsageError(f"save_quantized: layer {n!r} is a QuantizedLinear but scheme {scheme.name!r} ignores it; "
+                             "compressed-tensors would load it as a float layer: unquantize it (to_linear) or drop "
+                             "it from Scheme.ignore")
+        g = groups.get(m.group)
+        if g is None or g.weights != m.weights or g.input_activations != m.input_activations:
+            raise UsageError(f"save_quantized: layer {n!r} was quantized with config group {m.group!r} "
+                             f"(weights {m.weights}, input_activations {m.input_activations}), which scheme "
+                             f"{scheme.name!r} does not have; pass the scheme given to quantize_model")
+    for n, m in model.named_modules():
+        if type(m) is nn.Linear and not any(_matches(e, n, m) for e in scheme.ignore) and any(
+                _matches(t, n, m) for g in scheme.config_groups for t in g.targets):
+            raise UsageError(f"save_quantized: module {n!r} is an nn.Linear that scheme {scheme.name!r} targets but "
+                             "quantize_model did not convert; a checkpoint would claim it is quantized: quantize it "
+                             "or add it to Scheme.ignore")
+    return [_Layer(n, m.group, m.weights, m.original_weight.detach(), m.weight.detach()) for n, m in quantized]
+
+
 def save_quantized(model: nn.Module, scheme: Scheme, path: str | os.PathLike[str]) -> None:
-    """Write ``model`` quantized with ``scheme`` (``plan``) to the folder ``path``: ``model.safetensors`` (packed
-    codes and scales, the compressed-tensors names of the module docstring; other tensors as they are) and
-    ``config.json`` (``quantization_config``, plus ``model.config.to_dict()`` when the model has one).  The folder
-    is written next to ``path`` and renamed into place; an existing ``path`` is replaced."""
+    """Write ``model`` quantized with ``scheme`` to the folder ``path``: ``model.safetensors`` (packed codes and
+    scales, the compressed-tensors names of the module docstring; other tensors as they are) and ``config.json``
+    (``quantization_config``, plus ``model.config.to_dict()`` when the model has one).  ``model`` is either a
+    float model (the layers ``plan(model, scheme)`` selects are quantized) or one that ``quantize_model(model,
+    scheme)`` converted (its ``QuantizedLinear`` layers are stored; their ``input_scale`` as is).  The folder is
+    written next to ``path`` and renamed into place; an existing ``path`` is replaced."""
     from safetensors.torch import save_file
 
-    from ._plan import plan
+    from ._plan import fake_quantize_weight
 
-    entries = plan(model, scheme)
+    layers = _layers(model, scheme)
     qc = to_compressed_tensors_config(scheme)
     fmts = {g.name: _group_format(g) for g in scheme.config_groups}
-    for e in entries:
+    for e in layers:
         if fmts[e.group] not in _SUPPORTED:
             raise UsageError(f"save_quantized: module {e.name!r} (config group {e.group!r}) needs the "
                              f"compressed-tensors format {fmts[e.group]!r}, which is not supported yet; supported: "
-                             f"{', '.join(_SUPPORTED)} (int8 / int4 / float8_e4m3fn weights with float32 scales)")
+                             f"{', '.join(_SUPPORTED)}")
     state = {k: v.detach() for k, v in model.state_dict().items()}
     tensors: dict[str, torch.Tensor] = {}
     done: dict[str, str] = {}
-    for e in entries:
+    tensor_scales: dict[str, str] = {}
+    for e in layers:
         w = state.pop(f"{e.name}.weight")
         if e.weights is None:
             tensors[f"{e.name}.weight"] = w
             continue
-        for key, t in _compress(w, e.weights, fmts[e.group]).items():
-            tensors[f"{e.name}.{key}"] = t
+        if e.current is not None and not torch.equal(
+                fake_quantize_weight(e.original, e.weights).to(e.current.dtype), e.current):
+            raise UsageError(f"save_quantized: layer {e.name!r}: its weight is no longer fake_quantize_weight("
+                             "original_weight): it was changed after quantize_model; quantize the model again")
+        for key, t in _compress(e.original, e.weights, fmts[e.group], e.name).items():
+            if key == "_tensor_scale":
+                tensor_scales[e.name] = float(t).hex()
+            else:
+                tensors[f"{e.name}.{key}"] = t
         done[e.name] = e.group
     for key, t in state.items():
         tensors.setdefault(key, t)
     tensors = {k: v.contiguous().cpu().clone() for k, v in tensors.items()}  # no shared storage (tied weights)
+    meta = {"format": "pt", _META_GROUPS: json.dumps(done)}
+    if tensor_scales:
+        meta[_META_TENSOR_SCALES] = json.dumps(tensor_scales)
     config: dict[str, Any] = {}
     mc = getattr(model, "config", None)
     if mc is not None and callable(getattr(mc, "to_dict", None)):
@@ -278,7 +419,7 @@ def save_quantized(model: nn.Module, scheme: Scheme, path: str | os.PathLike[str
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".lowprec-save-", dir=parent)
     try:
-        save_file(tensors, os.path.join(tmp, _WEIGHTS_FILE), metadata={"format": "pt", _META_GROUPS: json.dumps(done)})
+        save_file(tensors, os.path.join(tmp, _WEIGHTS_FILE), metadata=meta)
         with open(os.path.join(tmp, _CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         if os.path.isdir(dest):
@@ -327,8 +468,77 @@ def _expect(tensors: Mapping[str, torch.Tensor], key: str, file: str, dtype: tor
     return t
 
 
+def _decompress_narrow(layer: str, tensors: Mapping[str, torch.Tensor], ts: TensorScheme, fmt: str, file: str,
+                       tensor_scale: str | None) -> torch.Tensor:
+    """MX / NVFP4 (module docstring): lowprec's dequantization ``codes * scale`` (NVFP4: ``scale * s_t`` with the
+    metadata's ``s_t``; without it compressed-tensors' ``scale / weight_global_scale``), float32."""
+    from ..quant import _codec
+    from ._plan import check_fit
+
+    elem, scale_fmt, group = _NARROW[fmt]
+    nv = fmt.startswith("nvfp4")
+    strategy = "tensor_group" if nv else "group"
+    if (ts.format, ts.scale_format, ts.group_size, ts.granularity) != (elem, scale_fmt, group, strategy):
+        raise UsageError(f"{file}: layer {layer!r}: format {fmt!r} needs {elem} weights, strategy {strategy!r} in "
+                         f"groups of {group} with {scale_fmt} scales (quantization_config weights: num_bits, type, "
+                         f"strategy, group_size, scale_dtype); the config says {ts.format}, {ts.granularity!r}, "
+                         f"group_size={ts.group_size}, {ts.scale_format} scales")
+    if elem == "float8_e4m3fn":
+        q = _expect(tensors, f"{layer}.weight", file, torch.float8_e4m3fn, None)
+        if q.dim() != 2:
+            raise UsageError(f"{file}: tensor {layer}.weight must be 2-D [N, K]; got shape {list(q.shape)}")
+        n, k = q.shape
+        values = q.float()
+    else:
+        packed = _expect(tensors, f"{layer}.weight_packed", file, torch.uint8, None)
+        if packed.dim() != 2:
+            raise UsageError(f"{file}: tensor {layer}.weight_packed must be 2-D [N, K/2] (two e2m1 codes a byte); "
+                             f"got shape {list(packed.shape)}")
+        n, k = packed.shape[0], 2 * packed.shape[1]
+        values = _codec.decode(packed, formats.get(elem), k)
+    try:
+        check_fit(ts, (n, k), module=layer)
+    except UsageError as e:
+        raise UsageError(f"{file}: {e}") from None
+    sshape = (n, k // group)
+    if nv:
+        scale = _expect(tensors, f"{layer}.weight_scale", file, torch.float8_e4m3fn, sshape).float()
+        if bool(torch.isnan(scale).any()) or bool((scale < 0).any()):
+            raise UsageError(f"{file}: tensor {layer}.weight_scale has NaN or negative e4m3 group scales; every "
+                             "group scale must be >= 0 (re-save the checkpoint)")
+        gs = _expect(tensors, f"{layer}.weight_global_scale", file, torch.float32, (1,))
+        if not (bool(torch.isfinite(gs).all()) and float(gs) > 0):
+            raise UsageError(f"{file}: tensor {layer}.weight_global_scale is {float(gs)!r}; it must be finite and "
+                             "positive (compressed-tensors' 6 * 448 / amax of the weight): re-save the checkpoint")
+        if tensor_scale is None:
+            eff = scale / gs  # compressed-tensors' order
+        else:
+            try:
+                s_t = float.fromhex(tensor_scale)
+            except (TypeError, ValueError):
+                raise UsageError(f"{file}: metadata {_META_TENSOR_SCALES!r} for layer {layer!r} is {tensor_scale!r},"
+                                 " not a hex float") from None
+            t = torch.tensor(s_t, dtype=torch.float32)
+            if not (math.isfinite(s_t) and s_t > 0) or float(t) != s_t or abs(float(t) * float(gs) - 1) > 2.0**-17:
+                raise UsageError(f"{file}: layer {layer!r}: lowprec's tensor scale {tensor_scale} (metadata "
+                                 f"{_META_TENSOR_SCALES!r}) does not match {layer}.weight_global_scale {float(gs)!r} "
+                                 "(they must be reciprocals): the tensor was edited after saving; re-save the "
+                                 "checkpoint, or drop the metadata to use weight_global_scale alone")
+            eff = scale * t  # lowprec's order: bit for bit fake_quantize_weight
+    else:
+        byte = _expect(tensors, f"{layer}.weight_scale", file, torch.uint8, sshape)
+        if bool((byte == 255).any()):
+            raise UsageError(f"{file}: tensor {layer}.weight_scale holds 255, E8M0's NaN; MX scales are biased "
+                             "exponents 0..254 (2^(byte - 127)): re-save the checkpoint")
+        eff = byte.view(torch.float8_e8m0fnu).float()
+    g = _groups(values, ts)
+    return (g * eff.reshape(n, 1, k // group, 1)).reshape(n, k)
+
+
 def _decompress(layer: str, tensors: Mapping[str, torch.Tensor], ts: TensorScheme, fmt: str,
-                file: str) -> torch.Tensor:
+                file: str, tensor_scale: str | None = None) -> torch.Tensor:
+    if fmt in _NARROW:
+        return _decompress_narrow(layer, tensors, ts, fmt, file, tensor_scale)
     bits = _BITS_TYPE[ts.format][0]
     if fmt == "pack-quantized":
         if not ts.is_int or bits not in (4, 8):
@@ -411,6 +621,12 @@ def load_quantized(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor
         assigned = json.loads(meta.get(_META_GROUPS, "{}"))
     except ValueError:
         raise UsageError(f"{st_file}: metadata {_META_GROUPS!r} is not valid JSON") from None
+    try:
+        tensor_scales = json.loads(meta.get(_META_TENSOR_SCALES, "{}"))
+    except ValueError:
+        raise UsageError(f"{st_file}: metadata {_META_TENSOR_SCALES!r} is not valid JSON") from None
+    if not isinstance(assigned, dict) or not isinstance(tensor_scales, dict):
+        raise UsageError(f"{st_file}: metadata {_META_GROUPS!r} and {_META_TENSOR_SCALES!r} must be JSON objects")
     layers = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".weight_scale", ".weight_packed"))})
     layers += [str(x) for x in assigned if x not in layers]
     out = dict(tensors)
@@ -422,7 +638,7 @@ def load_quantized(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor
                              f"supported; supported: {', '.join(_SUPPORTED)}")
         if group.weights is None:
             continue
-        out[f"{layer}.weight"] = _decompress(layer, tensors, group.weights, fmt, st_file)
-        for key in ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point"):
+        out[f"{layer}.weight"] = _decompress(layer, tensors, group.weights, fmt, st_file, tensor_scales.get(layer))
+        for key in ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_global_scale"):
             out.pop(f"{layer}.{key}", None)
     return out, scheme
