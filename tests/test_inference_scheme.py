@@ -157,10 +157,12 @@ def test_plan_sequential_first_match_and_ignore() -> None:
 
 
 def test_plan_unknown_pattern() -> None:
-    s = I.get("fp8-dynamic")  # ignores lm_head, which this model lacks
-    with pytest.raises(ValueError, match=r"Scheme.ignore\[0\]: unknown module pattern 'lm_head'.*module names are "
+    s = I.get("fp8-dynamic")  # ignores lm_head, which this model lacks: allowed (the presets' output head)
+    assert [e.name for e in I.plan(_mlp(), s)] == ["0", "2", "3"]
+    typo = dataclasses.replace(s, ignore=("lm_haed",))
+    with pytest.raises(ValueError, match=r"Scheme.ignore\[0\]: unknown module pattern 'lm_haed'.*module names are "
                                          r"'0', '1', '2', '3'; fix the pattern or remove it"):
-        I.plan(_mlp(), s)
+        I.plan(_mlp(), typo)
     grp = dataclasses.replace(s.config_groups[0], targets=("Linear", "*.mlpp.*"))
     with pytest.raises(ValueError, match=r"config_groups\[0\].targets\[1\]: unknown module pattern '\*.mlpp.\*'"):
         I.plan(_mlp(), dataclasses.replace(s, ignore=(), config_groups=(grp,)))

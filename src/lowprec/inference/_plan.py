@@ -5,7 +5,9 @@ Matching (compressed-tensors' rule, with fnmatch instead of ``re:`` regexes, as 
 candidate is an ``nn.Linear`` or a module whose class name some target or ignore entry names.  An entry matches a
 module when it equals the module's class name or ``fnmatch.fnmatchcase(qualified_name, entry)``.  ``ignore``
 wins; otherwise the first config group with a matching target applies.  An entry that matches no module at all
-is an error (a typo would otherwise silently quantize, or skip, nothing).
+is an error (a typo would otherwise silently quantize, or skip, nothing), except the ignore entry ``"lm_head"``
+(``OPTIONAL_IGNORES``): every preset skips the conventional output head, and a model without one (an encoder, a
+classifier) has nothing to skip.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from torch import nn
 from .._errors import UsageError
 from ..quant._spec import QuantSpec
 from ._scheme import ConfigGroup, Scheme, TensorScheme
+
+
+OPTIONAL_IGNORES: tuple[str, ...] = ("lm_head",)
+"""Ignore entries that may match no module (module docstring)."""
 
 
 class PlanEntry(NamedTuple):
@@ -57,6 +63,8 @@ def plan(model: nn.Module, scheme: Scheme) -> list[PlanEntry]:
     for gi, grp in enumerate(scheme.config_groups):
         entries += [(e, f"Scheme.config_groups[{gi}].targets[{ti}]") for ti, e in enumerate(grp.targets)]
     for entry, field in entries:
+        if entry in OPTIONAL_IGNORES and field.startswith("Scheme.ignore"):
+            continue
         if not any(_matches(entry, n, m) for n, m in modules):
             raise _unknown(entry, field, names)
     class_names = {e for e, _ in entries}
