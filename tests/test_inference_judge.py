@@ -375,3 +375,37 @@ def test_bad_data() -> None:
         inf.judge_inference(model, model, [torch.randn(4, 32)], inf.InferenceCriteria())
     with pytest.raises(UsageError, match="prompts"):
         inf.greedy_divergence(model, model, [torch.randn(3)])
+
+
+# ------------------------------------------------------------------------------------------ embedding outputs
+def test_embedding_outputs_cosine_and_relative_error() -> None:
+    ref, cand = _tables(b=12, t=1, v=16, noise=0.2)
+    batches = [(torch.arange(i, i + 4), torch.zeros(4, dtype=torch.long)) for i in range(0, 12, 4)]
+    comp = inf.compare(Logits(ref[:, 0]), Logits(cand[:, 0]), batches, output="embedding")
+    r, c = ref[:, 0].numpy(), cand[:, 0].numpy()
+    cos = (r * c).sum(-1) / np.linalg.norm(r, axis=-1) / np.linalg.norm(c, axis=-1)
+    np.testing.assert_allclose(comp.cosine, cos, rtol=1e-12)
+    v = inf.judge_comparison(comp, inf.InferenceCriteria.for_embeddings(cosine=0.9, rel_error=0.5))
+    assert v.metrics["rel_error"]["value"] == pytest.approx(np.linalg.norm(c - r) / np.linalg.norm(r), rel=1e-12)
+    assert v.metrics["cosine"]["value"] == pytest.approx(cos.mean(), rel=1e-12)
+    assert v.output == "embedding" and {r.name for r in v.results} == {"cosine", "rel_error"}
+    same = inf.judge_inference(Logits(ref[:, 0]), Logits(ref[:, 0].clone()), batches,
+                               inf.InferenceCriteria.for_embeddings(cosine=0.999), output="embedding")
+    assert same.outcome == "pass" and same.metrics["rel_error"]["value"] == 0.0
+    with pytest.raises(UsageError, match="for_embeddings"):
+        inf.judge_inference(Logits(ref[:, 0]), Logits(cand[:, 0]), batches, inf.InferenceCriteria(),
+                            output="embedding")
+    with pytest.raises(UsageError, match="output='embedding'"):
+        inf.judge_inference(Logits(ref[:, 0]), Logits(cand[:, 0]), batches,
+                            inf.InferenceCriteria.for_embeddings())
+
+
+def test_embedding_three_way_against_bf16() -> None:
+    model = MLP()
+    q = inf.quantize_model(copy.deepcopy(model), _preset("w8a8-int8"))
+    v = inf.judge_inference(model, q, _mlp_batches(), inf.InferenceCriteria.for_embeddings(cosine=0.9,
+                            bf16_ratio=100.0), bf16="auto", output="embedding")
+    m = v.metrics
+    assert m["bf16_rel_error"]["value"] > 0 and m["bf16_ratio"]["value"] == pytest.approx(
+        m["rel_error"]["value"] / m["bf16_rel_error"]["value"], rel=1e-12)
+    assert v.outcome == "pass"

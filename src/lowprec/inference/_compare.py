@@ -113,6 +113,17 @@ class Comparison:
     """KL(reference || bfloat16 copy of the reference), the three-way mode's noise floor; None without it."""
     tolerances: tuple[ToleranceCheck, ...]
     batches: int
+    kind: str = "logits"
+    """"logits" (distributions over classes) or "embedding" (vectors compared by direction and distance; the
+    distribution fields are then NaN and the next four hold the statistics)."""
+    cosine: np.ndarray | None = None
+    """Embedding mode: cosine similarity of candidate and reference vectors."""
+    sq_err: np.ndarray | None = None
+    """Embedding mode: ``|c - r|^2``."""
+    sq_ref: np.ndarray | None = None
+    """Embedding mode: ``|r|^2``."""
+    sq_err_bf16: np.ndarray | None = None
+    """Embedding mode, three-way: ``|b - r|^2`` of the bfloat16 copy."""
 
     @property
     def n_tokens(self) -> int:
@@ -179,11 +190,34 @@ def _targets(batch: Any, logits: torch.Tensor) -> tuple[torch.Tensor | None, tor
 
 
 class _Collector:
-    def __init__(self, tolerances: dict[TolKey, tuple[float, float]]) -> None:
+    def __init__(self, tolerances: dict[TolKey, tuple[float, float]], kind: str = "logits") -> None:
+        self.kind = kind
         self.parts: dict[str, list[np.ndarray]] = {k: [] for k in (
-            "example", "kl", "kl_reverse", "agree", "has_target", "nll_ref", "nll_cand", "kl_bf16")}
+            "example", "kl", "kl_reverse", "agree", "has_target", "nll_ref", "nll_cand", "kl_bf16", "cosine",
+            "sq_err", "sq_ref", "sq_err_bf16")}
         self.checks = [ToleranceCheck(k, *v) for k, v in tolerances.items()]
         self.examples = 0
+
+    def add_embedding(self, ref: torch.Tensor, cand: torch.Tensor, bf16: torch.Tensor | None,
+                      valid: torch.Tensor) -> None:
+        """Vectors ``[B, T, D]``: cosine similarity and squared distances per token (float64)."""
+        b, t, _ = ref.shape
+        sel = valid.reshape(-1)
+        r, c = ref.reshape(b * t, -1)[sel], cand.reshape(b * t, -1)[sel]
+        n = int(sel.sum())
+        ex = (torch.arange(b)[:, None].expand(b, t).reshape(-1) + self.examples)[sel]
+        self.parts["example"].append(ex.numpy())
+        self.parts["cosine"].append(torch.nn.functional.cosine_similarity(c, r, dim=-1, eps=1e-30).numpy())
+        self.parts["sq_err"].append((c - r).square().sum(-1).numpy())
+        self.parts["sq_ref"].append(r.square().sum(-1).numpy())
+        if bf16 is not None:
+            lo = bf16.reshape(b * t, -1)[sel]
+            self.parts["sq_err_bf16"].append((lo - r).square().sum(-1).numpy())
+        for key in ("kl", "kl_reverse", "nll_ref", "nll_cand"):
+            self.parts[key].append(np.full(n, np.nan))
+        self.parts["agree"].append(np.zeros(n, dtype=bool))
+        self.parts["has_target"].append(np.zeros(n, dtype=bool))
+        self.examples += b
 
     def add(self, ref: torch.Tensor, cand: torch.Tensor, bf16: torch.Tensor | None, targets: torch.Tensor | None,
             valid: torch.Tensor) -> None:
@@ -243,7 +277,9 @@ class _Collector:
                           has_target=cat("has_target", bool), nll_ref=cat("nll_ref", np.float64),
                           nll_cand=cat("nll_cand", np.float64),
                           kl_bf16=cat("kl_bf16", np.float64) if self.parts["kl_bf16"] else None,
-                          tolerances=tuple(self.checks), batches=batches)
+                          tolerances=tuple(self.checks), batches=batches, kind=self.kind,
+                          **{k: cat(k, np.float64) if self.parts[k] else None
+                             for k in ("cosine", "sq_err", "sq_ref", "sq_err_bf16")})
 
 
 def _kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
@@ -254,9 +290,12 @@ def _kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
 
 
 def compare(reference: nn.Module, candidate: nn.Module, data: Iterable[Any], *, bf16: nn.Module | str | None = None,
-            logit_tolerances: Tolerances | None = None, batches: int | None = None) -> Comparison:
+            logit_tolerances: Tolerances | None = None, batches: int | None = None,
+            output: str = "logits") -> Comparison:
     """Run ``reference`` and ``candidate`` (and ``bf16``: a model, ``"auto"`` for ``bf16_copy(reference)``, or
-    None) on every batch of ``data`` and return the per-token ``Comparison`` (module docstring).
+    None) on every batch of ``data`` and return the per-token ``Comparison`` (module docstring).  ``output``:
+    ``"logits"`` (distributions) or ``"embedding"`` (the outputs are vectors: sentence embeddings, hidden states;
+    cosine similarity and squared distances per row instead of KL).
 
     Raises ``UsageError`` for an empty ``data``, batches a model cannot run, outputs that are not logits, and
     reference and candidate outputs of different shapes.  The models' train/eval modes are restored."""
@@ -265,7 +304,11 @@ def compare(reference: nn.Module, candidate: nn.Module, data: Iterable[Any], *, 
             raise UsageError(f"compare: {what} must be a torch.nn.Module; got {type(m).__name__}")
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise UsageError(f"compare: batches must be a positive int or None; got {batches!r}")
+    if output not in ("logits", "embedding"):
+        raise UsageError(f"compare: output must be 'logits' or 'embedding'; got {output!r}")
     tols = check_tolerances(logit_tolerances)
+    if tols and output == "embedding":
+        raise UsageError("compare: logit_tolerances apply to logits, not to output='embedding'")
     noise: nn.Module | None
     if bf16 == "auto":
         noise = bf16_copy(reference)
@@ -275,7 +318,7 @@ def compare(reference: nn.Module, candidate: nn.Module, data: Iterable[Any], *, 
         raise UsageError(f"compare: bf16 must be a model, 'auto' or None; got {bf16!r}")
     models = [m for m in (reference, candidate, noise) if m is not None]
     modes = {m: m.training for model in models for m in model.modules()}
-    collector = _Collector(tols)
+    collector = _Collector(tols, output)
     count = 0
     try:
         for model in models:
@@ -289,7 +332,10 @@ def compare(reference: nn.Module, candidate: nn.Module, data: Iterable[Any], *, 
                                      f"{list(cand.shape)} differ in shape: compare the same model quantized")
                 low = None if noise is None else _logits(noise, _cast_floats(batch, torch.bfloat16), "bf16", i)
                 targets, valid = _targets(batch, ref)
-                collector.add(ref, cand, low, targets, valid)
+                if output == "embedding":
+                    collector.add_embedding(ref, cand, low, valid)
+                else:
+                    collector.add(ref, cand, low, targets, valid)
                 count += 1
     finally:
         for m, mode in modes.items():

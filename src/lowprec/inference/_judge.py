@@ -86,6 +86,10 @@ class InferenceCriteria:
     """Three-way mode: largest ``mean KL_candidate / mean KL_bf16`` (1.0: "as close as bf16 is")."""
     bf16_overlap: float = 0.99
     """... or the Bhattacharyya coefficient of the two per-token KL distributions at least this."""
+    cosine: float | None = None
+    """Embedding outputs: smallest mean cosine similarity of candidate and reference vectors."""
+    rel_error: float | None = None
+    """Embedding outputs: largest relative L2 error ``sqrt(sum |c - r|^2 / sum |r|^2)``."""
     greedy_agreement: float | None = None
     """Smallest fraction of prompts whose greedy continuation of ``max_new_tokens`` matches the reference's up to
     divergences within ``greedy_gap`` (needs prompts)."""
@@ -105,13 +109,13 @@ class InferenceCriteria:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("kl_mean", "kl_p99", "bf16_ratio"):
+        for name in ("kl_mean", "kl_p99", "bf16_ratio", "rel_error"):
             v = getattr(self, name)
             if v is not None:
                 check_float(v, f"InferenceCriteria.{name}", 0.0, open_lo=True)
         if self.ppl_ratio is not None:
             check_float(self.ppl_ratio, "InferenceCriteria.ppl_ratio", 1.0, note="(1.02: at most 2% higher)")
-        for name in ("top1", "greedy_agreement"):
+        for name in ("top1", "greedy_agreement", "cosine"):
             v = getattr(self, name)
             if v is not None:
                 check_float(v, f"InferenceCriteria.{name}", 0.0, 1.0, open_lo=True)
@@ -126,11 +130,17 @@ class InferenceCriteria:
         check_float(self.fail_alpha, "InferenceCriteria.fail_alpha", 0.0, 0.5, open_lo=True)
         check_int(self.bootstrap, "InferenceCriteria.bootstrap", 100, 1_000_000)
         check_int(self.seed, "InferenceCriteria.seed", 0)
-        judged = [self.kl_mean, self.kl_p99, self.top1, self.ppl_ratio, self.logit_tolerances, self.bf16_ratio,
-                  self.greedy_agreement]
-        if all(v is None for v in judged):
+        if self.judged() == 0:
             raise UsageError("InferenceCriteria judges nothing: set at least one of kl_mean, kl_p99, top1, "
-                             "ppl_ratio, logit_tolerances, bf16_ratio, greedy_agreement")
+                             "ppl_ratio, logit_tolerances, bf16_ratio, cosine, rel_error, greedy_agreement")
+
+    @classmethod
+    def for_embeddings(cls, *, cosine: float | None = 0.99, rel_error: float | None = None,
+                       bf16_ratio: float | None = None, **kwargs: Any) -> InferenceCriteria:
+        """Criteria for models whose outputs are vectors (``output="embedding"``): the distribution criteria off,
+        ``cosine`` / ``rel_error`` / ``bf16_ratio`` (then the ratio of relative L2 errors) judged."""
+        return cls(kl_mean=None, top1=None, ppl_ratio=None, cosine=cosine, rel_error=rel_error,
+                   bf16_ratio=bf16_ratio, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -155,7 +165,8 @@ class InferenceCriteria:
     def judged(self) -> int:
         """The number of criteria that are judged (the Bonferroni split of ``fail_alpha``)."""
         return sum(v is not None for v in (self.kl_mean, self.kl_p99, self.top1, self.ppl_ratio,
-                                           self.logit_tolerances, self.bf16_ratio, self.greedy_agreement))
+                                           self.logit_tolerances, self.bf16_ratio, self.greedy_agreement,
+                                           self.cosine, self.rel_error))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +304,8 @@ class InferenceVerdict:
     criteria_hash: str
     greedy: tuple[dict[str, Any], ...] = ()
     """``GreedyResult.to_dict`` per prompt (empty without prompts)."""
+    output: str = "logits"
+    """"logits" or "embedding" (what the statistics describe)."""
     kl_hist: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     """Sorted per-token KL samples (at most 2000 quantiles) of the candidate and, three-way, of bf16: the
     report's distribution chart."""
@@ -322,7 +335,7 @@ class InferenceVerdict:
                 "candidate": self.candidate, "results": [r.to_dict() for r in self.results],
                 "metrics": self.metrics, "n_examples": self.n_examples, "n_tokens": self.n_tokens,
                 "unit": self.unit, "criteria": self.criteria, "criteria_hash": self.criteria_hash,
-                "greedy": list(self.greedy), "kl_hist": self.kl_hist}
+                "greedy": list(self.greedy), "kl_hist": self.kl_hist, "output": self.output}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> InferenceVerdict:
@@ -331,7 +344,7 @@ class InferenceVerdict:
         return cls(outcome=d["outcome"], reference=d["reference"], candidate=d["candidate"], results=results,
                    metrics=d["metrics"], n_examples=d["n_examples"], n_tokens=d["n_tokens"], unit=d["unit"],
                    criteria=d["criteria"], criteria_hash=d["criteria_hash"], greedy=tuple(d.get("greedy", ())),
-                   kl_hist=d.get("kl_hist", {}))
+                   kl_hist=d.get("kl_hist", {}), output=d.get("output", "logits"))
 
 
 def _z(p: float) -> float:
@@ -386,7 +399,11 @@ def judge_comparison(comp: Comparison, criteria: InferenceCriteria | None = None
                      candidate: str = "candidate") -> InferenceVerdict:
     """Decide ``criteria`` on a ``Comparison`` (and greedy results) already computed (module docstring)."""
     c = criteria or InferenceCriteria()
-    if c.bf16_ratio is not None and comp.kl_bf16 is None:
+    if comp.kind == "embedding" and any(v is not None for v in (c.kl_mean, c.kl_p99, c.top1, c.ppl_ratio,
+                                                                c.logit_tolerances)):
+        raise UsageError("the outputs are embeddings (output='embedding'): KL, top-1, perplexity and logit "
+                         "criteria do not apply; use InferenceCriteria.for_embeddings(cosine=..., rel_error=...)")
+    if c.bf16_ratio is not None and comp.kl_bf16 is None and comp.sq_err_bf16 is None:
         raise UsageError("InferenceCriteria.bf16_ratio needs the three-way mode: pass bf16='auto' (or a bf16 "
                          "model) to judge_inference / compare")
     if c.greedy_agreement is not None and greedy is None:
@@ -412,6 +429,16 @@ def judge_comparison(comp: Comparison, criteria: InferenceCriteria | None = None
     metrics: dict[str, Any] = {}
     results: list[CriterionResult] = []
     kw: dict[str, Any] = {"n": n_units, "unit": c.unit, "c": c, "fail_alpha": fail_alpha}
+
+    if comp.kind == "embedding":
+        results, metrics, hist = _judge_embedding(comp, c, boot, fb, kw)
+        return InferenceVerdict(outcome=combine(results), reference=reference, candidate=candidate,
+                                results=tuple(results), metrics=metrics, n_examples=comp.n_examples,
+                                n_tokens=comp.n_tokens, unit=c.unit, criteria=c.to_dict(), criteria_hash=c.hash(),
+                                kl_hist=hist, output="embedding")
+    if c.cosine is not None or c.rel_error is not None:
+        raise UsageError("InferenceCriteria.cosine / rel_error judge vector outputs: pass output='embedding' (or "
+                         "set them to None for logits)")
 
     kl, kl_f = both(lambda b: b.ratio(comp.kl, ones))
     metrics["kl_mean"] = kl.to_dict()
@@ -481,6 +508,51 @@ def judge_comparison(comp: Comparison, criteria: InferenceCriteria | None = None
                             greedy=tuple(g.to_dict() for g in greedy or ()), kl_hist=hist)
 
 
+def _judge_embedding(comp: Comparison, c: InferenceCriteria, boot: _Bootstrap, fb: _Bootstrap,
+                     kw: dict[str, Any]) -> tuple[list[CriterionResult], dict[str, Any], dict[str, list[float]]]:
+    """The vector-output statistics: mean and 1st percentile of the cosine similarity, relative L2 error,
+    three-way ratio of relative L2 errors (the square root of the ratio of squared-error sums) and overlap of
+    the per-row relative squared errors."""
+    if any(v is not None for v in (c.kl_mean, c.kl_p99, c.top1, c.ppl_ratio, c.logit_tolerances)):
+        raise UsageError("the outputs are embeddings (output='embedding'): KL, top-1, perplexity and logit "
+                         "criteria do not apply; use InferenceCriteria.for_embeddings(cosine=..., rel_error=...)")
+    assert comp.cosine is not None and comp.sq_err is not None and comp.sq_ref is not None
+    ones = np.ones(comp.n_tokens)
+    results: list[CriterionResult] = []
+    metrics: dict[str, Any] = {}
+
+    def sqrt_est(e: Estimate) -> Estimate:
+        root = math.sqrt(e.value)
+        return Estimate(root, math.sqrt(max(e.lower, 0.0)), math.sqrt(max(e.upper, 0.0)),
+                        e.se / (2 * root) if root > 0 else 0.0)
+
+    cos, cos_f = boot.ratio(comp.cosine, ones), fb.ratio(comp.cosine, ones)
+    metrics["cosine"] = cos.to_dict()
+    metrics["cosine_p01"] = boot.quantile(comp.cosine, 0.01).to_dict()
+    metrics["cosine_min"] = float(comp.cosine.min())
+    rel, rel_f = sqrt_est(boot.ratio(comp.sq_err, comp.sq_ref)), sqrt_est(fb.ratio(comp.sq_err, comp.sq_ref))
+    metrics["rel_error"] = rel.to_dict()
+    if c.cosine is not None:
+        results.append(_bound_result("cosine", cos, c.cosine, larger_is_worse=False, what="mean cosine similarity",
+                                     fail_bound=cos_f.upper, fmt=".6g", **kw))
+    if c.rel_error is not None:
+        results.append(_bound_result("rel_error", rel, c.rel_error, larger_is_worse=True,
+                                     what="relative L2 error", fail_bound=rel_f.lower, **kw))
+    rel_rows = comp.sq_err / np.maximum(comp.sq_ref, 1e-300)
+    hist = {"candidate": _sample(rel_rows)}
+    if comp.sq_err_bf16 is not None:
+        hist["bf16"] = _sample(comp.sq_err_bf16 / np.maximum(comp.sq_ref, 1e-300))
+        ratio = sqrt_est(boot.ratio(comp.sq_err, comp.sq_err_bf16))
+        ratio_f = sqrt_est(fb.ratio(comp.sq_err, comp.sq_err_bf16))
+        bc = overlap(rel_rows, comp.sq_err_bf16 / np.maximum(comp.sq_ref, 1e-300))
+        metrics["bf16_rel_error"] = sqrt_est(boot.ratio(comp.sq_err_bf16, comp.sq_ref)).to_dict()
+        metrics["bf16_ratio"] = ratio.to_dict()
+        metrics["bf16_overlap"] = bc
+        if c.bf16_ratio is not None:
+            results.append(_bf16_result(ratio, ratio_f, bc, c, kw, what="L2 error ratio candidate / bf16"))
+    return results, metrics, hist
+
+
 def _proportion_bound(est: Estimate, comp: Comparison, n_units: int, alpha: float) -> Estimate:
     """The bootstrap bounds of a token proportion widened to Clopper-Pearson's with the effective sample size
     (module docstring)."""
@@ -520,10 +592,10 @@ def _tolerance_result(comp: Comparison, c: InferenceCriteria, fail_alpha: float)
 
 
 def _bf16_result(ratio: Estimate, ratio_f: Estimate, bc: float, c: InferenceCriteria,
-                 kw: dict[str, Any]) -> CriterionResult:
+                 kw: dict[str, Any], what: str = "KL ratio candidate / bf16") -> CriterionResult:
     assert c.bf16_ratio is not None
-    r = _bound_result("bf16_ratio", ratio, c.bf16_ratio, larger_is_worse=True,
-                      what="KL ratio candidate / bf16", fail_bound=ratio_f.lower, **kw)
+    r = _bound_result("bf16_ratio", ratio, c.bf16_ratio, larger_is_worse=True, what=what,
+                      fail_bound=ratio_f.lower, **kw)
     values = {**r.values, "overlap": bc, "overlap_threshold": c.bf16_overlap}
     if bc >= c.bf16_overlap and r.outcome != "pass":
         return CriterionResult(name=r.name, outcome="pass", values=values,
@@ -573,12 +645,13 @@ def _greedy_result(greedy: list[GreedyResult], c: InferenceCriteria, fail_alpha:
 def judge_inference(reference: nn.Module, candidate: nn.Module, data: Iterable[Any],
                     criteria: InferenceCriteria | None = None, *, bf16: nn.Module | str | None = None,
                     prompts: Any = None, batches: int | None = None, reference_name: str = "reference",
-                    candidate_name: str = "candidate") -> InferenceVerdict:
+                    candidate_name: str = "candidate", output: str = "logits") -> InferenceVerdict:
     """Judge ``candidate`` (e.g. ``quantize_model(copy.deepcopy(model), scheme, ...)``) against ``reference`` on
     the held-out ``data`` (lowprec's batch contract) by ``criteria`` (module docstring).
 
     ``bf16``: ``"auto"`` (a bfloat16 copy of ``reference``) or a model, for the three-way criterion;
-    ``prompts``: 1-D token tensors for greedy generation (language models).  The criteria are checked before
+    ``prompts``: 1-D token tensors for greedy generation (language models); ``output``: ``"logits"`` or
+    ``"embedding"`` (vector outputs, ``InferenceCriteria.for_embeddings``).  The criteria are checked before
     any model runs."""
     c = criteria or InferenceCriteria()
     if not isinstance(c, InferenceCriteria):
@@ -587,7 +660,14 @@ def judge_inference(reference: nn.Module, candidate: nn.Module, data: Iterable[A
         raise UsageError("InferenceCriteria.bf16_ratio needs the three-way mode: pass bf16='auto'")
     if c.greedy_agreement is not None and prompts is None:
         raise UsageError("InferenceCriteria.greedy_agreement needs prompts=[1-D token tensors]")
-    comp = compare(reference, candidate, data, bf16=bf16, logit_tolerances=c.logit_tolerances, batches=batches)
+    logit_criteria = [c.kl_mean, c.kl_p99, c.top1, c.ppl_ratio, c.logit_tolerances]
+    if output == "embedding" and any(v is not None for v in logit_criteria):
+        raise UsageError("output='embedding': KL, top-1, perplexity and logit criteria do not apply; use "
+                         "InferenceCriteria.for_embeddings(cosine=..., rel_error=...)")
+    if output != "embedding" and (c.cosine is not None or c.rel_error is not None):
+        raise UsageError("InferenceCriteria.cosine / rel_error judge vector outputs: pass output='embedding'")
+    comp = compare(reference, candidate, data, bf16=bf16, logit_tolerances=c.logit_tolerances, batches=batches,
+                   output=output)
     greedy = None if prompts is None else greedy_divergence(
         reference, candidate, prompts, max_new_tokens=c.max_new_tokens, gap_tolerance=c.greedy_gap)
     return judge_comparison(comp, c, greedy=greedy, reference=reference_name, candidate=candidate_name)
