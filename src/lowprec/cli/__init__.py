@@ -107,11 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quant-demo", help="quantize a tensor with every named spec and print the error")
     q.add_argument("--seed", type=int, default=0, help="seed for the demo tensor (default 0)")
     q.set_defaults(func=cmd_quant_demo)
-    from . import _accuracy, _precision, _runs, _store
+    from . import _accuracy, _precision, _ptq, _runs, _store
 
     _runs.add_parsers(sub)
     _precision.add_parsers(sub)
     _accuracy.add_parsers(sub)
+    _ptq.add_parsers(sub)
     _store.add_parsers(sub)
     return p
 
