@@ -764,3 +764,41 @@ def test_numerics_heatmaps_show_each_planted_statistic(tmp_path) -> None:
     assert sq["fc1 weight step 20: dB inf"] == "#1a9850"
     assert sq["head grad_output step 20: dB 12.75"] not in ("#1a9850", "#dddddd")
     assert "fallback" in text and "underflow_pct" in text
+
+
+def test_inference_report_renders_in_headless_chromium(tmp_path) -> None:
+    # The inference judge's report (lowprec.inference.write_inference_report) through the same browser oracle:
+    # every chart is a parsed SVG element, every chart text lies inside its svg, a hostile candidate name stays
+    # text, and the outcome colours are drawn.
+    import copy
+
+    import torch
+
+    from lowprec import inference as inf
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 32, generator=g), torch.randint(0, 16, (16,), generator=g)) for _ in range(4)]
+    verdicts = []
+    for preset, name in (("w8a8-int8", "<script>alert(1)</script>"), ("mxfp4", "mxfp4")):
+        q = inf.quantize_model(copy.deepcopy(model), inf.get(preset))
+        verdicts.append(inf.judge_inference(model, q, data, inf.InferenceCriteria(top1=0.9, bf16_ratio=2.0),
+                                            bf16="auto", candidate_name=name))
+    path = inf.write_inference_report(tmp_path / "inference.html", verdicts)
+    text = path.read_text(encoding="utf-8")
+    assert "<script" not in text
+    probe = tmp_path / "probe-inference.html"
+    probe.write_text(text.replace("</body>", _MEASURE + "</body>"), encoding="utf-8")
+    dom = _run_browser(["--dump-dom", probe.as_uri()], tmp_path)
+    got = re.search(r'<pre id="measured">(.*?)</pre>', dom, flags=re.S)
+    assert got, dom[-2000:]
+    m = json.loads(html.unescape(got.group(1)))
+    assert m["scripts"] == 1 and "&lt;script&gt;" in dom
+    assert len(m["svgs"]) == text.count("<svg") == 1 and all(s["svg"] for s in m["svgs"])
+    for s in m["svgs"]:
+        w, h = s["view"]
+        for t in s["texts"]:
+            x, y, tw, th = t["box"]
+            if t["text"].strip():
+                assert x >= -0.5 and y >= -0.5 and x + tw <= w + 0.5 and y + th <= h + 0.5, (s["title"], t, w, h)
