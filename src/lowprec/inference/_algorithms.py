@@ -19,11 +19,13 @@ processed in blocks of ``block_size`` whose updates to later blocks are applied 
 result as the column-by-column loop up to float rounding).  A dead input (``H_jj = 0``) gets ``H_jj = 1`` and a
 zero weight column.  Scales: ``"channel"`` and ``"tensor"`` granularity from the original weight; ``"group"`` and
 ``"block"`` (scales along K) from the current, already updated weights of the group when its first column comes
-(the reference GPTQ; when a group reaches past the block, its columns' pending updates are applied first, so
-the result does not depend on ``block_size``).  ``act_order`` quantizes the columns in order of decreasing
-``H_jj`` (stable sort); with group scales it uses static groups (scales from the original weight, groups
-unchanged; the reference's ``static_groups``).  Computed in float64; each column is quantized from its value
-rounded to float32, by ``_affine``'s float32 rule.
+(the reference GPTQ, IST-DASLab ``gptq.py``; when a group reaches past the block, its columns' pending updates are
+applied first, so the result does not depend on ``block_size``), or, with ``static_groups``, every group's from
+the original weight (the reference's ``--static-groups``; llm-compressor's ``quantize_weight``, read at commit
+0050550, computes all scales up front from the original weight this way).  ``act_order`` quantizes the columns
+in order of decreasing ``H_jj`` (stable sort); with group scales it implies static groups (groups stay contiguous
+runs of columns, no ``g_idx``).  Computed in float64 (llm-compressor: float32); each column is quantized from its
+value rounded to float32, by ``_affine``'s float32 rule (compressed-tensors divides by the scale instead).
 
 AWQ (Lin et al. 2023) protects salient input channels: with ``s_j = mean_t |x_tj|^a`` (clamped to ``1e-4``,
 normalised ``s / sqrt(max(s) min(s))``), it quantizes ``W diag(s)`` and divides the scale back out:
@@ -54,7 +56,7 @@ from ._scheme import TensorScheme
 
 WEIGHT_ALGORITHMS: tuple[str, ...] = ("gptq", "awq", "smoothquant")
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "gptq": {"damp": 0.01, "block_size": 128, "act_order": False},
+    "gptq": {"damp": 0.01, "block_size": 128, "act_order": False, "static_groups": False},
     "awq": {"n_grid": 20},
     "smoothquant": {"alpha": 0.5},
 }
@@ -81,7 +83,7 @@ def check_options(algorithm: str, options: Any) -> dict[str, Any]:
         out[key] = value
     where = f"quantize_model: options[{{!r}}] (algorithm={algorithm!r})"
     for key, value in out.items():
-        if key == "act_order":
+        if key in ("act_order", "static_groups"):
             if not isinstance(value, bool):
                 raise UsageError(f"{where.format(key)} must be True or False; got {value!r}")
         elif key in ("block_size", "n_grid"):
@@ -184,7 +186,8 @@ def _group_width(ts: TensorScheme, k: int) -> int:
 
 
 def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, ts: TensorScheme, *, damp: float = 0.01,
-                block_size: int = 128, act_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                block_size: int = 128, act_order: bool = False, static_groups: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ of ``weight [N, K]`` against ``hessian [K, K]`` (module docstring): ``(W', scale, zero_point)`` with
     ``W'`` in ``weight``'s dtype and the float32 scales / zero points it used, shaped ``[N', groups]``
     (``"group"``: ``[N, K / group_size]``, ``"block"``: ``[N / a, K / b]``, ``"channel"``: ``[N, 1]``,
@@ -209,11 +212,12 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, ts: TensorScheme, *
         U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     except RuntimeError as e:
         raise UsageError(f"gptq: the damped Hessian is not positive definite ({e}); raise options['damp']") from None
-    # Fixed qparams: channel / tensor from the original weight; with act_order, every group's from the original.
+    # Fixed qparams: channel / tensor from the original weight; static groups: every group's from the original.
     fixed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    static_groups = static_groups or act_order
     if width == 0:
         fixed = [_row_qparams(w32, ts)]
-    elif act_order:
+    elif static_groups:
         fixed = [_row_qparams(w32[:, c:c + width].contiguous(), ts) for c in range(0, k, width)]
     compact: list[torch.Tensor] = [fixed[0][2]] if width == 0 else [f[2] for f in fixed]
     Q = torch.zeros_like(W)
@@ -227,8 +231,8 @@ def gptq_weight(weight: torch.Tensor, hessian: torch.Tensor, ts: TensorScheme, *
             c = i1 + i
             if width == 0:
                 s, z, _ = fixed[0]
-            elif perm is not None:
-                s, z, _ = fixed[int(perm[c]) // width]
+            elif static_groups:
+                s, z, _ = fixed[(c if perm is None else int(perm[c])) // width]
             elif c % width == 0:
                 cur = W1[:, i:min(c + width, i2) - i1]
                 if c + width > i2:  # the group reaches into later blocks: apply their pending updates first

@@ -53,10 +53,11 @@ def fake_quantize_activation(x: torch.Tensor, ts: TensorScheme, scale: torch.Ten
     schemes and float formats with float32 scales apply ``_affine``'s rules to ``x`` viewed as ``[tokens, K]``
     (``"token"``: one scale per row, ``amax / 127.5`` for int8, ``amax / 448`` for e4m3; ``"tensor"``: one for the
     whole input; ``"group"``/``"block"`` ``(1, b)``: one per group along ``K``); MX and NVFP4 are
-    ``lowprec.quant.fake_quantize`` with ``ts.quant_spec()``.
+    ``lowprec.quant.fake_quantize`` with ``ts.quant_spec()``.  ``_affine``'s in-place forms compute the same bits as
+    the plain tensor operations (``_calibrate.fake_quantize_static``, ``_affine._reference_fake_quantize_*``).
     """
     if scale is not None:
-        return _calibrate.fake_quantize_static(x, scale, ts)
+        return _affine.fake_quantize_static(x, scale, ts)
     if ts.scale_format != "float32":
         from ..quant import fake_quantize
 
@@ -258,7 +259,8 @@ def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_
         elif ts is not None and algorithm == "gptq":
             qw, wscale, wzp = _algorithms.gptq_weight(w, _algorithms.hessian(st), ts, damp=options["damp"],
                                                        block_size=options["block_size"],
-                                                       act_order=options["act_order"])
+                                                       act_order=options["act_order"],
+                                                       static_groups=options["static_groups"])
         elif ts is not None:  # awq
             s = _algorithms.awq_search(w, st, ts, options["n_grid"])[0]
             if act is None:
@@ -299,7 +301,8 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
         batches: use at most this many calibration batches (None: all).
         options: the parameters of ``"gptq"`` (``damp`` = 0.01: dampening fraction of ``mean(diag(H))``;
             ``block_size`` = 128: columns per lazy-update block; ``act_order`` = False: columns by decreasing
-            ``diag(H)``), ``"awq"`` (``n_grid`` = 20: exponents ``0, 1/n_grid, ..``) or ``"smoothquant"``
+            ``diag(H)``; ``static_groups`` = False: True takes group scales from the original weight instead of
+            the updated one), ``"awq"`` (``n_grid`` = 20: exponents ``0, 1/n_grid, ..``) or ``"smoothquant"``
             (``alpha`` = 0.5 in [0, 1]); a dict with any of these keys, the rest default.  None for the others.
 
     Raises ``UsageError`` for a scheme that selects nothing or a module that is not an ``nn.Linear``, an already
