@@ -616,9 +616,9 @@ def _metrics_section(b: Baseline, groups: list[_Group]) -> str:
     return _table(head, rows, classes) + '<div class="charts">' + "\n".join(charts) + "</div>" + note
 
 
-def _headline(verdicts: list[Verdict]) -> str:
-    """The verdict; with several groups, the count of each outcome (FAIL first), in the combined outcome's
-    colour (FAIL when any group FAILs)."""
+def _headline(verdicts: Sequence[Any], noun: str = "groups") -> str:
+    """The verdict; with several groups (``noun``), the count of each outcome (FAIL first), in the combined
+    outcome's colour (FAIL when any group FAILs).  Anything with an ``outcome`` is a verdict here."""
     if not verdicts:
         return '<span class="headline muted">not judged</span>'
     else:
@@ -627,7 +627,7 @@ def _headline(verdicts: list[Verdict]) -> str:
             word = WORDS[cls]
         else:
             counts = {o: sum(v.outcome == o for v in verdicts) for o in OUTCOME_ORDER}
-            word = ", ".join(f"{n} {WORDS[o]}" for o, n in counts.items() if n) + f" of {len(verdicts)} groups"
+            word = ", ".join(f"{n} {WORDS[o]}" for o, n in counts.items() if n) + f" of {len(verdicts)} {noun}"
         return f'<span class="headline {cls}">{word}</span>'
 
 

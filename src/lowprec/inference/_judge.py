@@ -53,7 +53,7 @@ from torch import nn
 
 from .._checks import check_float, check_int, check_literal
 from .._errors import UsageError
-from ..accuracy._judge import EXIT_CODES, WORDS, CriterionResult, combine
+from ..accuracy._judge import EXIT_CODES, CriterionResult, _Outcome, combine
 from ._compare import Comparison, TolKey, check_tolerances, compare
 from ._greedy import GreedyResult, greedy_divergence
 
@@ -288,7 +288,7 @@ def overlap(a: np.ndarray, b: np.ndarray, bins: int = OVERLAP_BINS) -> float:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class InferenceVerdict:
+class InferenceVerdict(_Outcome):
     """The judge's decision on one candidate, with its evidence."""
 
     outcome: str
@@ -309,14 +309,6 @@ class InferenceVerdict:
     kl_hist: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     """Sorted per-token KL samples (at most 2000 quantiles) of the candidate and, three-way, of bf16: the
     report's distribution chart."""
-
-    @property
-    def passed(self) -> bool:
-        return self.outcome == "pass"
-
-    @property
-    def word(self) -> str:
-        return WORDS[self.outcome]
 
     @property
     def exit_code(self) -> int:

@@ -22,7 +22,6 @@ from .._errors import UsageError
 from ..quant._spec import QuantSpec
 from ._scheme import ConfigGroup, Scheme, TensorScheme
 
-
 OPTIONAL_IGNORES: tuple[str, ...] = ("lm_head",)
 """Ignore entries that may match no module (module docstring)."""
 

@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..accuracy._judge import WORDS, combine_outcomes
-from ..accuracy._report import _CSS, OUTCOME_ORDER, _table
+from ..accuracy._report import _CSS, _headline, _table
 from ..accuracy._svg import PALETTE, Line, esc, line_chart
 from ..runs._atomic import atomic_write_text
 from ._judge import _KL_FLOOR, InferenceVerdict
@@ -41,18 +40,6 @@ def _est(d: Any, spec: str = ".4g") -> str:
     if not isinstance(d, dict) or "value" not in d:
         return "-"
     return f"{_fmt(d['value'], spec)} <span class=\"muted\">[{_fmt(d['lower'], spec)}, {_fmt(d['upper'], spec)}]</span>"
-
-
-def _headline(verdicts: Sequence[InferenceVerdict]) -> str:
-    if not verdicts:
-        return '<span class="headline muted">nothing judged</span>'
-    cls = combine_outcomes([v.outcome for v in verdicts])
-    if len(verdicts) == 1:
-        word = WORDS[cls]
-    else:
-        counts = {o: sum(v.outcome == o for v in verdicts) for o in OUTCOME_ORDER}
-        word = ", ".join(f"{n} {WORDS[o]}" for o, n in counts.items() if n) + f" of {len(verdicts)} candidates"
-    return f'<span class="headline {cls}">{esc(word)}</span>'
 
 
 def _greedy_cell(v: InferenceVerdict) -> str:
@@ -143,7 +130,7 @@ def write_inference_report(path: str | os.PathLike[str], verdicts: Sequence[Infe
     vs = list(verdicts)
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8"/>', f"<title>{esc(title)}</title>",
              f"<style>{_CSS}</style></head><body>", f"<h1>{esc(title)}</h1>",
-             f"<p>{_headline(vs)} {len(vs)} quantized candidate(s) against their reference</p>"]
+             f"<p>{_headline(vs, 'candidates')} {len(vs)} quantized candidate(s) against their reference</p>"]
     if expectation:
         parts.append(f'<p class="expectation"><b>Expected:</b> {esc(expectation)}</p>')
     if vs:
