@@ -90,8 +90,8 @@ def int_qparams(w: torch.Tensor, ts: TensorScheme) -> tuple[torch.Tensor, torch.
     return scale, zero_point
 
 
-def fake_quantize_int(w: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
-    """Integer affine quantize-dequantize of ``w [N, K]`` (float32 math); ``w``'s shape and dtype."""
+def _reference_fake_quantize_int(w: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
+    """The plain tensor-operation form of ``fake_quantize_int``: the oracle its tests compare with bit for bit."""
     qmin, qmax = int_range(ts.format)
     scale, zp = int_qparams(w, ts)
     g = _groups(w.float(), ts)
@@ -99,8 +99,25 @@ def fake_quantize_int(w: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
     return ((q - zp) * scale).reshape(w.shape).to(w.dtype)
 
 
-def fake_quantize_float(w: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
-    """Float element format with float32 scales, divided (module docstring); ``w``'s shape and dtype."""
+def fake_quantize_int(w: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
+    """Integer affine quantize-dequantize of ``w [N, K]`` (float32 math); ``w``'s shape and dtype.
+
+    The operations of ``_reference_fake_quantize_int`` in the same order, on one scratch tensor updated in place
+    (one allocation instead of five).  Symmetric schemes add and subtract no zero point; the reference's ``+ 0``
+    turns a rounded ``-0`` into ``+0``, so the scratch gets ``+ 0.0`` in place once (same bits, one cheap pass)."""
+    qmin, qmax = int_range(ts.format)
+    scale, zp = int_qparams(w, ts)
+    q = _groups(w.float(), ts) * (1.0 / scale)  # the scratch: a new float32 tensor
+    q.round_()
+    if ts.symmetric:
+        q.clamp_(qmin, qmax).mul_(scale).add_(0.0)  # (clamp(round(v) + 0) - 0) * s: -0 -> +0 (scale > 0)
+    else:
+        q.add_(zp).clamp_(qmin, qmax).sub_(zp).mul_(scale)
+    return q.reshape(w.shape).to(w.dtype)
+
+
+def _reference_fake_quantize_float(w: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
+    """The plain tensor-operation form of ``fake_quantize_float``: the oracle its tests compare with bit for bit."""
     from ..quant import quantize
 
     fmt = formats.get(ts.format)
@@ -108,3 +125,49 @@ def fake_quantize_float(w: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
     scale = torch.clamp(g.abs().amax(dim=(1, 3), keepdim=True) / fmt.max, min=_TINY)
     codes = quantize(torch.clamp(g / scale, -fmt.max, fmt.max), fmt, saturate=True)
     return (codes * scale).reshape(w.shape).to(w.dtype)
+
+
+def _round_in_place(v: torch.Tensor, fmt: formats.FormatSpec, vmax: float | None) -> torch.Tensor:
+    """``lowprec.quant.quantize(v, fmt, saturate=True)`` for float32 ``v`` already clamped to ``+-fmt.max``,
+    rounding ``v`` itself where it can (the fused C loop of ``lowprec.quant._native``); ``vmax``: a bound on
+    ``|v|`` known to be finite, or None (then it is measured, and NaN sends it to the kernel)."""
+    from ..quant import _elementwise, _native, quantize
+
+    if v.dtype == torch.float32 and _elementwise.fast_round_ok(fmt, "nearest"):
+        r = _elementwise.round_nearest_fast(v, fmt, saturate=True, vmax=vmax,
+                                            sign=v if _native.usable(v) else None)
+        if r is not None:
+            return r
+    return quantize(v, fmt, saturate=True)
+
+
+def fake_quantize_float(w: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
+    """Float element format with float32 scales, divided (module docstring); ``w``'s shape and dtype.
+
+    The operations of ``_reference_fake_quantize_float`` on one scratch tensor updated in place: the group's
+    ``max |x|`` is ``max(-min, max)`` (two reductions, no ``|x|`` tensor; the same value, NaN included), and the
+    element rounding is ``lowprec.quant``'s round-to-nearest route on the clamped scratch with its bound ``max``
+    known (no second ``max |v|`` pass).  A non-finite input takes the reference operations."""
+    fmt = formats.get(ts.format)
+    g = _groups(_check_weight(w).float(), ts)
+    amax = torch.maximum(-g.amin(dim=(1, 3), keepdim=True), g.amax(dim=(1, 3), keepdim=True))
+    if not bool(torch.isfinite(amax).all()):
+        return _reference_fake_quantize_float(w, ts)
+    scale = torch.clamp(amax / fmt.max, min=_TINY)
+    v = torch.div(g, scale).clamp_(-fmt.max, fmt.max)  # finite: |g| <= amax, scale >= amax / max
+    codes = _round_in_place(v, fmt, float(fmt.max))
+    return codes.mul_(scale).reshape(w.shape).to(w.dtype)
+
+
+def fake_quantize_static(x: torch.Tensor, scale: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
+    """``_calibrate.fake_quantize_static`` (the oracle its tests compare with bit for bit) on one scratch tensor
+    updated in place: integers ``clamp(round(x * fl(1 / scale)), qmin, qmax) * scale``, floats
+    ``Q_elem(clamp(x / scale, -max, max)) * scale``."""
+    xf = x.float()
+    if ts.is_int:
+        qmin, qmax = int_range(ts.format)
+        q = (xf * (1.0 / scale)).round_().clamp_(qmin, qmax).mul_(scale)
+        return q.to(x.dtype)
+    fmt = formats.get(ts.format)
+    v = torch.div(xf, scale).clamp_(-fmt.max, fmt.max)  # inf saturates; NaN stays (measured below)
+    return _round_in_place(v, fmt, None).mul_(scale).to(x.dtype)
