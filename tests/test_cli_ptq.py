@@ -67,3 +67,12 @@ def test_ptq_bad_input_exits_2(trained, capsys, args, match) -> None:
     assert match in err and "Traceback" not in err
     with RunStore(store) as s:
         assert len(s.list_runs()) == before  # nothing recorded
+
+
+def test_algorithm_choices_are_the_library_algorithms() -> None:
+    """The parser's spelled-out choices (kept torch-free) must name exactly the algorithms quantize_model accepts."""
+    from lowprec.cli._ptq import ALGORITHM_CHOICES
+    from lowprec.inference._algorithms import WEIGHT_ALGORITHMS
+    from lowprec.inference._calibrate import ALGORITHMS
+
+    assert ALGORITHM_CHOICES == (*ALGORITHMS, *WEIGHT_ALGORITHMS)

@@ -94,15 +94,17 @@ def cmd_ptq(args: argparse.Namespace) -> int:
     return verdict.exit_code
 
 
-def add_parsers(sub: Any) -> None:
-    from ..inference._algorithms import WEIGHT_ALGORITHMS
-    from ..inference._calibrate import ALGORITHMS
+ALGORITHM_CHOICES: tuple[str, ...] = ("max", "percentile", "mse", "gptq", "awq", "smoothquant")
+"""The ``--algorithm`` choices, spelled out so that building the parser imports no torch (tests check they equal
+``inference._calibrate.ALGORITHMS + inference._algorithms.WEIGHT_ALGORITHMS``)."""
 
+
+def add_parsers(sub: Any) -> None:
     p = sub.add_parser("ptq", help="quantize a stored run's trained model for inference and judge it")
     p.add_argument("--run", required=True, metavar="RUN_ID", help="the trained run (its final checkpoint)")
     p.add_argument("--scheme", required=True, metavar="NAME|FILE",
                    help="a preset (w8a8-int8, fp8-dynamic, ...) or a scheme .toml/.json")
-    p.add_argument("--algorithm", choices=(*ALGORITHMS, *WEIGHT_ALGORITHMS), default="max",
+    p.add_argument("--algorithm", choices=ALGORITHM_CHOICES, default="max",
                    help="calibration algorithm (default max)")
     p.add_argument("--calibration-batches", type=int, default=4, metavar="N", help="calibration batches (default 4)")
     p.add_argument("--batches", type=int, default=8, metavar="N", help="held-out batches judged (default 8)")
