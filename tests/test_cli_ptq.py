@@ -44,11 +44,14 @@ def test_ptq_judges_records_and_saves(trained, tmp_path: Path, capsys) -> None:
     assert "lowprec inference accuracy report" in (tmp_path / "r.html").read_text()
 
 
-def test_ptq_gptq_table(trained, capsys) -> None:
+def test_ptq_gptq_table(trained, tmp_path: Path, capsys) -> None:
     store, rid = trained
-    rc = main(["ptq", "--run", rid, "--scheme", "fp8-dynamic", "--algorithm", "gptq", "--store", store])
+    rc = main(["ptq", "--run", rid, "--scheme", "fp8-dynamic", "--algorithm", "gptq", "--store", store,
+               "--out", str(tmp_path / "ck")])
     text = capsys.readouterr().out
     assert rc in (0, 1, 3) and "fp8-dynamic (gptq)" in text and "recorded as run" in text
+    state, scheme = inf.load_quantized(tmp_path / "ck")  # the GPTQ model's checkpoint
+    assert scheme.name == "fp8-dynamic" and state
 
 
 @pytest.mark.parametrize("args, match", [
@@ -57,6 +60,8 @@ def test_ptq_gptq_table(trained, capsys) -> None:
     (["--scheme", "w4a16-int4"], "group_size=128 does not divide in_features=64"),
     (["--scheme", "w8a8-int8", "--batches", "0"], "--batches must be >= 1"),
     (["--scheme", "w8a8-int8", "--criteria", "nope.json"], "cannot read"),
+    (["--scheme", "fp8-dynamic", "--algorithm", "awq", "--out", "ck"], "--out: a model quantized with algorithm 'awq'"),
+    (["--scheme", "mxfp8", "--algorithm", "gptq", "--out", "ck"], "GPTQ's float32 scales cannot be stored"),
 ])
 def test_ptq_bad_input_exits_2(trained, capsys, args, match) -> None:
     store, rid = trained

@@ -80,7 +80,8 @@ def _ct_decompress(path: str, qc: Any) -> dict[str, torch.Tensor]:
     layers = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_scale")}
     out = {}
     for layer in layers:
-        local = {k[len(layer) + 1:]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == layer}
+        local = {k[len(layer) + 1:]: v for k, v in tensors.items()
+                 if k.rsplit(".", 1)[0] == layer and not k.endswith(".input_scale")}  # activation, not weight
         scheme = qc.config_groups["group_0"]
         comp = ct_comp.BaseCompressor.get_value_from_registry(scheme.format or qc.format)
         assert set(local) == set(comp.compression_param_names(scheme)) | {"bias"} & set(local), layer
@@ -431,3 +432,79 @@ def test_save_errors(tmp_path: Any) -> None:
     with pytest.raises(UsageError, match=r"layer 'fc1': its weight is no longer fake_quantize_weight"):
         I.save_quantized(q, I.get("mxfp4"), dest)
     assert not os.listdir(tmp_path)
+
+
+class _Forward(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run(self, x)
+
+
+def _calibration(dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(16, 256, generator=g) * torch.linspace(0.1, 3.0, 256)).to(dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["w8a8-int8", "w4a16-int4", "w4a16-int4-asym", "fp8-static", "fp8-block"])
+def test_gptq_model_round_trip(tmp_path: Any, name: str, dtype: torch.dtype) -> None:
+    """A GPTQ-quantized model (weights on GPTQ's own scales, not fake_quantize_weight's): the checkpoint's codes
+    and scales, decompressed by compressed-tensors, are every QuantizedLinear.weight bit for bit, and a fresh
+    model loaded from load_quantized gives the same outputs."""
+    torch.manual_seed(0)
+    model = _Forward().to(dtype)
+    scheme = I.get(name)
+    I.quantize_model(model, scheme, _calibration(dtype), algorithm="gptq")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, I.QuantizedLinear)}
+    assert set(layers) == {"fc1", "fc2"}
+    # the GPTQ path is exercised: its weights are not round-to-nearest's
+    assert any(not torch.equal(m.weight, I.fake_quantize_weight(m.original_weight, m.weights).to(dtype))
+               for m in layers.values())
+    path = str(tmp_path / "ckpt")
+    I.save_quantized(model, scheme, path)
+    with open(os.path.join(path, "config.json")) as f:
+        qc = ct_q.QuantizationConfig.model_validate(json.load(f)["quantization_config"])
+    theirs = _ct_decompress(path, qc)
+    assert set(theirs) == {f"{n}.weight" for n in layers}
+    for n, m in layers.items():
+        got = theirs[f"{n}.weight"]
+        assert torch.equal(got.to(dtype), m.weight), f"{n}: {(got.to(dtype) != m.weight).sum().item()} differ"
+        if dtype == torch.float32:
+            assert got.dtype == torch.float32
+    state, back = I.load_quantized(path)
+    assert back == scheme
+    fresh = _Forward().to(dtype)
+    I.quantize_model(fresh, scheme, _calibration(dtype))
+    fresh.load_state_dict({k: v if k.endswith("input_scale") else v.to(dtype) for k, v in state.items()},
+                          strict=True)
+    x = _calibration(dtype)[0]
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+
+
+def test_awq_weight_only_and_edited_gptq_refused(tmp_path: Any) -> None:
+    dest = str(tmp_path / "x")
+    awq = I.quantize_model(_Forward(), I.get("w4a16-int4"), _calibration(torch.float32), algorithm="awq")
+    with pytest.raises(UsageError, match=r"layer 'fc\d' was quantized by AWQ without activation quantization.*"
+                                         r"use algorithm='gptq' or 'max'"):
+        I.save_quantized(awq, I.get("w4a16-int4"), dest)
+    gptq = I.quantize_model(_Forward(), I.get("w4a16-int4"), _calibration(torch.float32), algorithm="gptq")
+    with torch.no_grad():
+        gptq.fc2.weight[0, 0] += 1e-3
+    with pytest.raises(UsageError, match=r"layer 'fc2': its weight is not on the grid of its gptq weight_scale"):
+        I.save_quantized(gptq, I.get("w4a16-int4"), dest)
+    assert not os.listdir(tmp_path)
+
+
+def test_gptq_act_order_round_trip(tmp_path: Any) -> None:
+    """act_order quantizes columns in Hessian order but keeps the groups in column order (static groups): the
+    checkpoint needs no g_idx and compressed-tensors' decompression is the model's weights exactly."""
+    scheme = I.get("w4a16-int4-asym")
+    model = I.quantize_model(_Forward(), scheme, _calibration(torch.float32), algorithm="gptq",
+                             options={"act_order": True})
+    path = str(tmp_path / "ckpt")
+    I.save_quantized(model, scheme, path)
+    with open(os.path.join(path, "config.json")) as f:
+        qc = ct_q.QuantizationConfig.model_validate(json.load(f)["quantization_config"])
+    theirs = _ct_decompress(path, qc)
+    for n in ("fc1", "fc2"):
+        assert torch.equal(theirs[f"{n}.weight"], model.get_submodule(n).weight), n

@@ -68,6 +68,13 @@ def cmd_ptq(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
     scheme = _scheme(args.scheme)
     criteria = _criteria(args)
+    if args.out:
+        from ..inference._checkpoint import check_savable
+
+        try:
+            check_savable(scheme, args.algorithm)
+        except UsageError as e:
+            raise UsageError(f"--out: {e}") from None
     store = open_store(store_path(args), create=False)
     with store:
         cal = load_trained(store, args.run)

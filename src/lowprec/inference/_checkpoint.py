@@ -37,8 +37,12 @@ compressed-tensors 0.20.1 returns MX and NVFP4 weights in bfloat16 (``unpack_fp4
 MXFP8's bfloat16 scales): MX values are exact there, NVFP4's are rounded to bfloat16.
 
 Every other tensor of the state dict is stored as is.  A model already converted by ``quantize_model`` is saved
-from its ``QuantizedLinear`` layers (codes from ``original_weight``, checked against the layer's ``weight``);
-a layer with a ``smooth`` buffer (SmoothQuant / AWQ factors) is refused: fold it into the previous layer first.
+from its ``QuantizedLinear`` layers: codes from ``original_weight``, checked against the layer's ``weight``, or
+for GPTQ layers (their weight is on GPTQ's own grid) codes from ``weight`` with the layer's ``weight_scale`` /
+``weight_zero_point``, checked by dequantizing them back to ``weight`` bit for bit.  A layer with a ``smooth``
+buffer (SmoothQuant / AWQ factors) is refused (fold it into the previous layer first), and so is AWQ without
+activation quantization (its weight ``Q(W diag(s)) diag(s)^-1`` has per-input-channel factors that no
+compressed-tensors format stores).
 
 Loading reads only JSON and safetensors (``safetensors.torch.load_file``): nothing is unpickled.
 """
@@ -191,10 +195,15 @@ def _scale_shape(ts: TensorScheme, n: int, k: int) -> tuple[int, ...]:
     return (n // a, k // b)
 
 
-def quantize_weight(weight: torch.Tensor, ts: TensorScheme) -> dict[str, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, ts: TensorScheme,
+                    qparams: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The unpacked stored form of one weight ``[N, K]``: ``weight`` (codes: int8, or float8_e4m3fn),
     ``weight_scale`` float32 and, for asymmetric schemes, ``weight_zero_point`` int8 (module docstring), such that
-    ``(weight - weight_zero_point) * weight_scale`` is ``fake_quantize_weight(weight, ts)`` in float32."""
+    ``(weight - weight_zero_point) * weight_scale`` is ``fake_quantize_weight(weight, ts)`` in float32.
+
+    ``qparams``: ``(scale, zero_point)`` float32 in the stored shape (``_scale_shape``) to use instead of the ones
+    ``weight`` implies: GPTQ's, whose weight is already on its grid, so the codes are ``round(weight / scale) +
+    zero_point`` (the caller checks that they dequantize back to ``weight``)."""
     from . import _affine
     from ._plan import check_fit
 
@@ -206,9 +215,17 @@ def quantize_weight(weight: torch.Tensor, ts: TensorScheme) -> dict[str, torch.T
     n, k = weight.shape
     g = _groups(weight.float(), ts)
     out: dict[str, torch.Tensor] = {}
+    given: tuple[torch.Tensor, torch.Tensor] | None = None
+    if qparams is not None:
+        want = _scale_shape(ts, n, k)
+        if qparams[0].numel() != math.prod(want) or qparams[1].numel() != math.prod(want):
+            raise UsageError(f"quantize_weight: qparams must hold {list(want)} scales and zero points for a weight "
+                             f"{[n, k]}; got {list(qparams[0].shape)} and {list(qparams[1].shape)}")
+        shape4 = (g.shape[0], 1, g.shape[2], 1)
+        given = (qparams[0].float().reshape(shape4), qparams[1].float().reshape(shape4))
     if ts.is_int:
         qmin, qmax = _affine.int_range(ts.format)
-        scale, zp = _affine.int_qparams(weight, ts)
+        scale, zp = _affine.int_qparams(weight, ts) if given is None else given
         q = torch.clamp(torch.round(g * (1.0 / scale)) + zp, qmin, qmax)
         out["weight"] = q.reshape(n, k).to(torch.int8)
         if not ts.symmetric:
@@ -219,7 +236,8 @@ def quantize_weight(weight: torch.Tensor, ts: TensorScheme) -> dict[str, torch.T
         if ts.format != "float8_e4m3fn":
             raise UsageError(f"checkpoints with {ts.format} weights are not supported yet; use float8_e4m3fn")
         fmt = formats.get(ts.format)
-        scale = torch.clamp(g.abs().amax(dim=(1, 3), keepdim=True) / fmt.max, min=_TINY)
+        scale = torch.clamp(g.abs().amax(dim=(1, 3), keepdim=True) / fmt.max, min=_TINY) if given is None \
+            else given[0]
         codes = quantize(torch.clamp(g / scale, -fmt.max, fmt.max), fmt, saturate=True)
         out["weight"] = codes.reshape(n, k).to(torch.float8_e4m3fn)
     out["weight_scale"] = scale.reshape(_scale_shape(ts, n, k)).contiguous()
@@ -298,10 +316,14 @@ def _compress_narrow(weight: torch.Tensor, ts: TensorScheme, fmt: str, layer: st
             "weight_global_scale": _nvfp4_global_scale(s_t, group_scales), "_tensor_scale": s_t.reshape(())}
 
 
-def _compress(weight: torch.Tensor, ts: TensorScheme, fmt: str, layer: str = "") -> dict[str, torch.Tensor]:
+def _compress(weight: torch.Tensor, ts: TensorScheme, fmt: str, layer: str = "",
+              qparams: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     if fmt in _NARROW:
+        if qparams is not None:
+            raise UsageError(f"save_quantized: layer {layer!r}: GPTQ's float32 scales cannot be stored as {fmt} "
+                             "(its scales are e8m0 / e4m3); quantize this layer with algorithm='max'")
         return _compress_narrow(weight, ts, fmt, layer)
-    t = quantize_weight(weight, ts)
+    t = quantize_weight(weight, ts, qparams)
     if fmt != "pack-quantized":
         return t
     bits = _BITS_TYPE[ts.format][0]
@@ -321,6 +343,8 @@ class _Layer(NamedTuple):
     weights: TensorScheme | None
     original: torch.Tensor  # the weight to quantize
     current: torch.Tensor | None  # QuantizedLinear.weight (checked against the stored codes), None for nn.Linear
+    qparams: tuple[torch.Tensor, torch.Tensor] | None = None  # GPTQ's weight_scale, weight_zero_point
+    algorithm: str = "max"
 
 
 def _weight_of(module: nn.Module) -> torch.Tensor:
@@ -360,7 +384,27 @@ def _layers(model: nn.Module, scheme: Scheme) -> list[_Layer]:
             raise UsageError(f"save_quantized: module {n!r} is an nn.Linear that scheme {scheme.name!r} targets but "
                              "quantize_model did not convert; a checkpoint would claim it is quantized: quantize it "
                              "or add it to Scheme.ignore")
-    return [_Layer(n, m.group, m.weights, m.original_weight.detach(), m.weight.detach()) for n, m in quantized]
+    return [_Layer(n, m.group, m.weights, m.original_weight.detach(), m.weight.detach(),
+                   None if m.weight_scale is None or m.weight_zero_point is None
+                   else (m.weight_scale, m.weight_zero_point), m.algorithm) for n, m in quantized]
+
+
+def check_savable(scheme: Scheme, algorithm: str = "max") -> None:
+    """Raise UsageError, before any calibration, when ``save_quantized`` could not store a model that
+    ``quantize_model(model, scheme, algorithm=algorithm)`` makes: an unsupported compressed-tensors format,
+    SmoothQuant or AWQ (per-input-channel factors), or GPTQ with MX / NVFP4 weights (float32 scales)."""
+    if algorithm in ("smoothquant", "awq"):
+        raise UsageError(f"a model quantized with algorithm {algorithm!r} cannot be saved yet: its per-input-channel "
+                         "factors would have to be folded into the previous layers, which compressed-tensors "
+                         "checkpoints need and lowprec does not do yet; use algorithm 'gptq' or 'max' for a checkpoint")
+    for g in scheme.config_groups:
+        fmt = _group_format(g)
+        if fmt not in _SUPPORTED:
+            raise UsageError(f"config group {g.name!r} needs the compressed-tensors format {fmt!r}, which is not "
+                             f"supported yet; supported: {', '.join(_SUPPORTED)}")
+        if algorithm == "gptq" and fmt in _NARROW and g.weights is not None:
+            raise UsageError(f"config group {g.name!r}: GPTQ's float32 scales cannot be stored as {fmt} (its scales "
+                             "are e8m0 / e4m3); use algorithm 'max' for a checkpoint")
 
 
 def save_quantized(model: nn.Module, scheme: Scheme, path: str | os.PathLike[str]) -> None:
@@ -391,11 +435,28 @@ def save_quantized(model: nn.Module, scheme: Scheme, path: str | os.PathLike[str
         if e.weights is None:
             tensors[f"{e.name}.weight"] = w
             continue
-        if e.current is not None and not torch.equal(
+        if e.qparams is not None:
+            assert e.current is not None
+            stored = _compress(e.current, e.weights, fmts[e.group], e.name, e.qparams)
+            back = _decompress(e.name, {f"{e.name}.{k}": v for k, v in stored.items()}, e.weights, fmts[e.group],
+                               "save_quantized")
+            if not torch.equal(back.to(e.current.dtype), e.current):
+                raise UsageError(f"save_quantized: layer {e.name!r}: its weight is not on the grid of its "
+                                 f"{e.algorithm} weight_scale / weight_zero_point: it was changed after "
+                                 "quantize_model; quantize the model again")
+        elif e.current is not None and not torch.equal(
                 fake_quantize_weight(e.original, e.weights).to(e.current.dtype), e.current):
+            if e.algorithm == "awq":
+                raise UsageError(f"save_quantized: layer {e.name!r} was quantized by AWQ without activation "
+                                 "quantization: its weight Q(W diag(s)) diag(s)^-1 carries per-input-channel "
+                                 "factors s that compressed-tensors formats cannot store; use algorithm='gptq' or "
+                                 "'max' for a checkpoint, or quantize the activations too (then s is a 'smooth' "
+                                 "buffer to fold into the previous layer)")
             raise UsageError(f"save_quantized: layer {e.name!r}: its weight is no longer fake_quantize_weight("
                              "original_weight): it was changed after quantize_model; quantize the model again")
-        for key, t in _compress(e.original, e.weights, fmts[e.group], e.name).items():
+        else:
+            stored = _compress(e.original, e.weights, fmts[e.group], e.name)
+        for key, t in stored.items():
             if key == "_tensor_scale":
                 tensor_scales[e.name] = float(t).hex()
             else:

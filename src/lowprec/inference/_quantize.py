@@ -80,7 +80,8 @@ class QuantizedLinear(nn.Module):
     scales follow from ``fake_quantize_weight``).
 
     ``quantized_weight`` given (GPTQ, AWQ): it is ``weight`` as it is (cast to the layer's dtype), instead of
-    ``fake_quantize_weight(original_weight * smooth)``."""
+    ``fake_quantize_weight(original_weight * smooth)``.  ``algorithm`` names the calibration algorithm that made
+    the layer (``quantize_model``'s), so that ``save_quantized`` can say why a weight cannot be stored."""
 
     weight: torch.Tensor
     original_weight: torch.Tensor
@@ -93,8 +94,10 @@ class QuantizedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, *, name: str = "", group: str = "", weights: TensorScheme | None = None,
                  input_activations: TensorScheme | None = None, input_scale: torch.Tensor | None = None,
                  smooth: torch.Tensor | None = None, quantized_weight: torch.Tensor | None = None,
-                 weight_scale: torch.Tensor | None = None, weight_zero_point: torch.Tensor | None = None) -> None:
+                 weight_scale: torch.Tensor | None = None, weight_zero_point: torch.Tensor | None = None,
+                 algorithm: str = "max") -> None:
         super().__init__()
+        self.algorithm = algorithm
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.name = name
@@ -274,7 +277,7 @@ def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_
             scale = _calibrate.scale_from_clip(amax.max(), act)
         out[e.name] = QuantizedLinear(lin, name=e.name, group=e.group, weights=ts, input_activations=act,
                                       input_scale=scale, smooth=smooth, quantized_weight=qw, weight_scale=wscale,
-                                      weight_zero_point=wzp)
+                                      weight_zero_point=wzp, algorithm=algorithm)
     return out
 
 
@@ -351,7 +354,8 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
         scales = calibrate(model, layers, static, calibration_data,  # type: ignore[arg-type]
                            algorithm=algorithm, percentile=percentile, batches=batches)
     new = {e.name: QuantizedLinear(e.module, name=e.name, group=e.group, weights=e.weights,  # type: ignore[arg-type]
-                                   input_activations=e.input_activations, input_scale=scales.get(e.name))
+                                   input_activations=e.input_activations, input_scale=scales.get(e.name),
+                                   algorithm=algorithm)
            for e in entries}
     for name, module in new.items():
         _set_module(model, name, module)
