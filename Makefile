@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_quant.py
 	$(PY) benchmarks/bench_train.py --threads 1
 	$(PY) benchmarks/bench_transformers.py --threads 1
+	$(PY) benchmarks/bench_inference.py --threads 1
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache build src/*.egg-info
