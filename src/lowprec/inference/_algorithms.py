@@ -139,6 +139,33 @@ class LayerStats:
         self.dtype = x.dtype
 
 
+_STAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def reduce_stats(stats: LayerStats, in_features: int, device: torch.device, sync: Any) -> None:
+    """Combine ``stats`` over the ranks of ``sync`` (``_sync.Sync``), in place: sums (Gram, ``sum |x|``, tokens)
+    by SUM, ``max |x|`` by MAX; a rank that saw no token contributes zeros (neutral: ``|x| >= 0``)."""
+    k = in_features
+    seen = stats.tokens > 0
+    tokens = int(sync.all_reduce(torch.tensor([stats.tokens], dtype=torch.int64), "sum"))
+    code = _STAT_DTYPES.index(stats.dtype) if seen and stats.dtype in _STAT_DTYPES else -1
+    code = int(sync.all_reduce(torch.tensor([code], dtype=torch.int64), "max"))
+    abs_sum = stats.abs_sum if seen else torch.zeros(k, dtype=torch.float64, device=device)
+    amax = stats.amax if seen else torch.zeros(k, dtype=torch.float32, device=device)
+    assert abs_sum is not None and amax is not None
+    stats.abs_sum = sync.all_reduce(abs_sum, "sum")
+    stats.amax = sync.all_reduce(amax, "max")
+    if stats.need_gram:
+        gram = stats.gram if seen else torch.zeros(k, k, dtype=torch.float64, device=device)
+        assert gram is not None
+        stats.gram = sync.all_reduce(gram, "sum")
+    stats.tokens = tokens
+    if code >= 0:
+        stats.dtype = _STAT_DTYPES[code]
+    if tokens == 0:
+        stats.gram = stats.abs_sum = stats.amax = None
+
+
 # ---------------------------------------------------------------------------------------------- GPTQ
 def _row_qparams(w: torch.Tensor, ts: TensorScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One group's qparams for the columns ``w [N, b]`` (float32), by ``_affine``'s rules, as per-row vectors

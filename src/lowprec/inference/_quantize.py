@@ -38,6 +38,7 @@ from .._batches import call_model
 from .._errors import UsageError
 from . import _affine, _algorithms, _calibrate, _plan
 from ._scheme import Scheme, TensorScheme
+from ._sync import Sync
 
 
 def _affine_view(ts: TensorScheme) -> TensorScheme:
@@ -174,10 +175,11 @@ def _check_static(name: str, ts: TensorScheme) -> None:
 
 
 def _observe(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[str, torch.Tensor], None],
-             calibration_data: Iterable[Any], batches: int | None) -> None:
-    """Run ``model`` (eval mode, no grad) over ``calibration_data`` and call ``observe(name, x)`` with every input
-    ``x`` of every layer in ``layers`` (module docstring); UsageError for a batch a layer cannot take, a batch the
-    model cannot run, and empty data.  Modes are restored and hooks removed whatever happens."""
+             calibration_data: Iterable[Any], batches: int | None) -> int:
+    """Run ``model`` (eval mode, no grad) over ``calibration_data``, call ``observe(name, x)`` with every input
+    ``x`` of every layer in ``layers`` (module docstring) and return the number of batches; UsageError for a batch
+    a layer cannot take and a batch the model cannot run.  Modes are restored and hooks removed whatever
+    happens."""
     current = [0]
 
     def hook_for(name: str, in_features: int) -> Any:
@@ -210,16 +212,26 @@ def _observe(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[
             h.remove()
         for m, mode in modes.items():
             m.training = mode
-    if count == 0:
+    return count
+
+
+def _observe_all(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[str, torch.Tensor], None],
+                 calibration_data: Iterable[Any], batches: int | None, sync: Sync) -> None:
+    """``_observe`` on every rank of ``sync`` (``_sync``: the ranks agree on failure); UsageError when the whole
+    group saw no batch."""
+    count = sync.run(lambda: _observe(model, layers, observe, calibration_data, batches), "calibration")
+    if int(sync.all_reduce(torch.tensor([count], dtype=torch.int64), "sum")) == 0:
         raise UsageError("quantize_model: calibration_data is empty (no batch): pass at least one batch of "
-                         "representative inputs")
+                         "representative inputs" + (" on at least one rank" if sync.active else ""))
 
 
 def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, TensorScheme],
               calibration_data: Iterable[Any], *, algorithm: str = "max", percentile: float = 99.99,
-              batches: int | None = None) -> dict[str, torch.Tensor]:
+              batches: int | None = None, sync: Sync | None = None) -> dict[str, torch.Tensor]:
     """The float32 static input scale of every layer in ``static`` (name -> activation scheme) from running
-    ``model`` over ``calibration_data`` (module docstring; ``_calibrate`` for the algorithms)."""
+    ``model`` over ``calibration_data`` (module docstring; ``_calibrate`` for the algorithms), combined over the
+    ranks of ``sync`` (``_sync``)."""
+    sync = sync or Sync()
     _calibrate.check_algorithm(algorithm, percentile)
     keep = algorithm != "max"
     seen: dict[str, Any] = {n: [] if keep else None for n in static}
@@ -231,7 +243,15 @@ def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, 
             amax = x.detach().float().abs().amax()
             seen[name] = amax if seen[name] is None else torch.maximum(seen[name], amax)
 
-    _observe(model, {n: layers[n] for n in static}, observe, calibration_data, batches)
+    _observe_all(model, {n: layers[n] for n in static}, observe, calibration_data, batches, sync)
+    for n in static:  # the same order on every rank (the plan's)
+        if keep:
+            local = torch.cat(seen[n]) if seen[n] else torch.empty(0)
+            combined = sync.cat(local)
+            seen[n] = [combined] if combined.numel() else []
+        else:
+            amax = sync.all_reduce(torch.full((1,), -1.0) if seen[n] is None else seen[n].reshape(1), "max")
+            seen[n] = None if float(amax) < 0 else amax.reshape(())
     missing = [n for n in static if seen[n] is None or (keep and not seen[n])]
     if missing:
         raise UsageError(f"quantize_model: the calibration batches never reached layer(s) {missing}: their static "
@@ -241,13 +261,17 @@ def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, 
 
 
 def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_data: Iterable[Any],
-                  algorithm: str, options: dict[str, Any], batches: int | None) -> dict[str, QuantizedLinear]:
+                  algorithm: str, options: dict[str, Any], batches: int | None,
+                  sync: Sync) -> dict[str, QuantizedLinear]:
     """The ``QuantizedLinear`` of every planned layer under ``"gptq"``, ``"awq"`` or ``"smoothquant"``
-    (``_algorithms``), from one calibration pass; static activation scales are the ``"max"`` of each layer's
-    (smoothed) inputs."""
+    (``_algorithms``), from one calibration pass (statistics combined over the ranks of ``sync``); static
+    activation scales are the ``"max"`` of each layer's (smoothed) inputs."""
     layers: dict[str, nn.Linear] = {e.name: e.module for e in entries}  # type: ignore[misc]
     stats = {n: _algorithms.LayerStats(need_gram=algorithm != "smoothquant") for n in layers}
-    _observe(model, layers, lambda n, x: stats[n].add(x), calibration_data, batches)
+    _observe_all(model, layers, lambda n, x: stats[n].add(x), calibration_data, batches, sync)
+    if sync.active:
+        for n, lin in layers.items():
+            _algorithms.reduce_stats(stats[n], lin.in_features, lin.weight.device, sync)
     missing = [n for n in layers if stats[n].tokens == 0]
     if missing:
         raise UsageError(f"quantize_model: the calibration batches never reached layer(s) {missing}: algorithm="
@@ -281,9 +305,17 @@ def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_
     return out
 
 
+def _fingerprint(scheme: Scheme, entries: list[_plan.PlanEntry], algorithm: str, percentile: float,
+                 options: dict[str, Any]) -> str:
+    weights = {e.name: e.module.weight for e in entries}
+    layers = ";".join(f"{n}:{list(w.shape)}:{w.dtype}" for n, w in weights.items() if isinstance(w, torch.Tensor))
+    return f"{scheme.hash()}|{algorithm}|{percentile!r}|{sorted(options.items())!r}|{layers}"
+
+
 def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[Any] | None = None, *,
                    algorithm: str = "max", percentile: float = 99.99, batches: int | None = None,
-                   options: dict[str, Any] | None = None) -> nn.Module:
+                   options: dict[str, Any] | None = None, distributed_sync: bool = True,
+                   process_group: Any = None) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` that ``plan(model, scheme)`` selects by a ``QuantizedLinear``
     (fake-quantized weights once, fake-quantized inputs on every call) and return ``model``.
 
@@ -307,6 +339,11 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
             ``diag(H)``; ``static_groups`` = False: True takes group scales from the original weight instead of
             the updated one), ``"awq"`` (``n_grid`` = 20: exponents ``0, 1/n_grid, ..``) or ``"smoothquant"``
             (``alpha`` = 0.5 in [0, 1]); a dict with any of these keys, the rest default.  None for the others.
+        distributed_sync: under ``torch.distributed`` with more than one rank, combine the calibration
+            statistics of all ranks of ``process_group`` (None: the default group), each calibrating on its own
+            batches, so that every rank gets the same scales and weights (``lowprec.inference._sync``).  When it
+            calibrates, ``quantize_model`` is then a collective: call it on every rank.  False: each rank
+            calibrates on its own batches alone.
 
     Raises ``UsageError`` for a scheme that selects nothing or a module that is not an ``nn.Linear``, an already
     quantized model, a static scheme without calibration data or with an empty one, a calibration batch whose
@@ -324,6 +361,7 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
     opts = _algorithms.check_options(algorithm, options)  # type: ignore[arg-type]
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise UsageError(f"quantize_model: batches must be a positive int or None; got {batches!r}")
+    sync = Sync.resolve(distributed_sync, process_group)
     entries = _plan.plan(model, scheme)
     if not entries:
         raise UsageError(f"quantize_model: scheme {scheme.name!r} selects no module of this model; check its targets")
@@ -338,7 +376,8 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
         if calibration_data is None:
             raise UsageError(f"quantize_model: algorithm={algorithm!r} needs calibration_data (the layers' inputs); "
                              "pass batches of representative inputs")
-        new = _weight_aware(model, entries, calibration_data, algorithm, opts, batches)
+        sync.check_same("the model, scheme and algorithm", _fingerprint(scheme, entries, algorithm, percentile, opts))
+        new = _weight_aware(model, entries, calibration_data, algorithm, opts, batches, sync)
         for name, module in new.items():
             _set_module(model, name, module)
         return model
@@ -351,8 +390,9 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
                              f"{sorted(static)[:5]}{'...' if len(static) > 5 else ''}) and needs calibration_data; "
                              "pass batches of representative inputs, or use a dynamic scheme (e.g. 'fp8-dynamic')")
         layers = {e.name: e.module for e in entries}
+        sync.check_same("the model, scheme and algorithm", _fingerprint(scheme, entries, algorithm, percentile, opts))
         scales = calibrate(model, layers, static, calibration_data,  # type: ignore[arg-type]
-                           algorithm=algorithm, percentile=percentile, batches=batches)
+                           algorithm=algorithm, percentile=percentile, batches=batches, sync=sync)
     new = {e.name: QuantizedLinear(e.module, name=e.name, group=e.group, weights=e.weights,  # type: ignore[arg-type]
                                    input_activations=e.input_activations, input_scale=scales.get(e.name),
                                    algorithm=algorithm)
