@@ -9,9 +9,8 @@ batch, float32, seed 0, untrained (timing does not depend on the weights' values
 Its quantized Linears are ``qkv`` [128->384], ``proj`` [128->128], ``fc`` [128->512] and ``out`` [512->128] per
 layer; ``lm_head`` is ignored, as the presets do.
 
-What is timed, per scheme (the presets; ``nvfp4`` with dynamic activation tensor scales, ``nvfp4-dynamic``, since
-``quantize_model`` does not calibrate NVFP4's ``"local"`` scale yet) and algorithm (``max`` for every scheme;
-``gptq`` and ``awq`` for ``w4a16-int4``):
+What is timed, per scheme (the presets) and algorithm (``max`` for every scheme; ``gptq`` and ``awq`` for
+``w4a16-int4``):
 
 * ``quantize_s``: ``quantize_model(copy.deepcopy(model), scheme, calibration, algorithm=...)`` on 4 calibration
   batches (observing, calibrating the static scales, quantizing every weight once), best of ``--repeat``;
@@ -43,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import platform
@@ -72,19 +70,7 @@ def _sig(x: float, digits: int = 4) -> float:
 def _schemes(names: list[str] | None) -> dict[str, Any]:
     from lowprec import inference as inf
 
-    out: dict[str, Any] = {}
-    for n in names or inf.names():
-        if n == "nvfp4":
-            nv = inf.get("nvfp4")
-            g = nv.config_groups[0]
-            assert g.input_activations is not None
-            out["nvfp4-dynamic"] = dataclasses.replace(nv, name="nvfp4-dynamic", config_groups=(dataclasses.replace(
-                g, input_activations=dataclasses.replace(g.input_activations, dynamic=True)),))
-        elif n == "nvfp4-dynamic":
-            out.update(_schemes(["nvfp4"]))
-        else:
-            out[n] = inf.get(n)
-    return out
+    return {n: inf.get(n) for n in names or inf.names()}
 
 
 def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor], torch.Tensor]:

@@ -74,6 +74,7 @@ CASES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "exact-awq": ("exact", "w4a16-int4", "awq", {}),
     "exact-awq-static": ("exact", "fp8-static", "awq", {}),
     "exact-smoothquant": ("exact", "w8a8-int8", "smoothquant", {}),
+    "exact-nvfp4-mse": ("exact", "nvfp4", "mse", {}),
     "gpt-max": ("gpt", "fp8-static", "max", {}),
     "gpt-mse": ("gpt", "fp8-static", "mse", {}),
     "gpt-gptq": ("gpt", "w4a16-int4", "gptq", {}),
@@ -84,7 +85,7 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, QuantizedLinear):
-            for key in ("weight", "input_scale", "smooth"):
+            for key in ("weight", "input_scale", "input_global_scale", "smooth"):
                 t = getattr(m, key)
                 if t is not None:
                     out[f"{name}.{key}"] = t.contiguous()

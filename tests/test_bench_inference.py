@@ -20,8 +20,8 @@ def test_bench_inference_quick() -> None:
                           "--batch", "4"], capture_output=True, text=True, timeout=300, check=True, env=env)
     result = json.loads(out.stdout)
     arms = result["arms"]
-    assert {"w8a8-int8/max", "fp8-static/max", "nvfp4-dynamic/max"} <= set(arms)
-    for key in ("w8a8-int8/max", "fp8-static/max", "nvfp4-dynamic/max"):
+    assert {"w8a8-int8/max", "fp8-static/max", "nvfp4/max"} <= set(arms)
+    for key in ("w8a8-int8/max", "fp8-static/max", "nvfp4/max"):
         row = arms[key]
         assert row["quantize_s"] >= 0 and row["forward_ms"] > 0 and row["ratio_to_fp32"] > 0
         # qkv, proj, fc (128 in) and out (512 in) of one block, on 4 x 16 tokens, read and written in float32

@@ -81,7 +81,8 @@ def _ct_decompress(path: str, qc: Any) -> dict[str, torch.Tensor]:
     out = {}
     for layer in layers:
         local = {k[len(layer) + 1:]: v for k, v in tensors.items()
-                 if k.rsplit(".", 1)[0] == layer and not k.endswith(".input_scale")}  # activation, not weight
+                 if k.rsplit(".", 1)[0] == layer  # the activations' scales are not the weight's
+                 and not k.endswith((".input_scale", ".input_global_scale"))}
         scheme = qc.config_groups["group_0"]
         comp = ct_comp.BaseCompressor.get_value_from_registry(scheme.format or qc.format)
         assert set(local) == set(comp.compression_param_names(scheme)) | {"bias"} & set(local), layer
@@ -280,8 +281,8 @@ def test_overwrite_is_atomic_replace(tmp_path: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------- MX / NVFP4
 def _nvfp4a16() -> I.Scheme:
-    """NVFP4 weights only (compressed-tensors' NVFP4A16): quantize_model does not calibrate NVFP4's 'local'
-    activation tensor scale yet, so a converted model uses this."""
+    """NVFP4 weights only (compressed-tensors' NVFP4A16), so that a converted model needs no calibration (the
+    full preset's calibrated activations are tests/test_inference_local.py's)."""
     import dataclasses
 
     base = I.get("nvfp4")

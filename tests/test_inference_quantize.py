@@ -144,7 +144,7 @@ def test_fp8_static_max_scale_and_output() -> None:
     ref = _hand_model(model, _preset("fp8-static"), lambda n, v: _fp8_static(v, scales[n]))
     I.quantize_model(model, _preset("fp8-static"), data)
     for i, n in ((0, "0"), (2, "2")):
-        assert torch.equal(model[i].input_scale, scales[n])
+        assert torch.equal(model[i].input_scale, scales[n].reshape(1))  # [1]: compressed-tensors' shape
     x = _data(seed=7)[0] * 2  # beyond the calibrated range: saturates at +-448 * s
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
@@ -158,7 +158,7 @@ def test_percentile_below_max_and_equals_quantile() -> None:
     for i, n in ((0, "0"), (2, "2")):
         assert pc[i].input_scale <= mx[i].input_scale
         want = torch.quantile(seen[n].abs().double(), 0.99).float() / 448
-        assert torch.equal(pc[i].input_scale, want)
+        assert torch.equal(pc[i].input_scale, want.reshape(1))
     assert pc[0].input_scale < mx[0].input_scale  # the outlier 9.0 is clipped
     full = I.quantize_model(copy.deepcopy(base), _preset("fp8-static"), data, algorithm="percentile", percentile=100)
     assert torch.equal(full[0].input_scale, mx[0].input_scale)
@@ -186,7 +186,7 @@ def test_mse_minimises_over_grid(fmt: str) -> None:
         err = float((xh - seen).double().square().sum()) / seen.numel()
         if err < best_err:
             best, best_err = s, err
-    assert best is not None and torch.equal(q[0].input_scale, best)
+    assert best is not None and torch.equal(q[0].input_scale, best.reshape(1))
     mx = I.quantize_model(copy.deepcopy(base), scheme, data)
     assert q[0].input_scale <= mx[0].input_scale
 
@@ -207,7 +207,7 @@ def test_llama_static_calibration_with_dict_batches() -> None:
     seen = _inputs(model, ["model.layers.0.mlp.down_proj"], data[:2])
     I.quantize_model(model, I.get("fp8-static"), iter(data), batches=2)
     down = model.get_submodule("model.layers.0.mlp.down_proj")
-    assert torch.equal(down.input_scale, seen["model.layers.0.mlp.down_proj"].abs().amax() / 448)
+    assert torch.equal(down.input_scale, (seen["model.layers.0.mlp.down_proj"].abs().amax() / 448).reshape(1))
     with torch.no_grad():
         assert torch.isfinite(model(**data[2]).logits).all()
 

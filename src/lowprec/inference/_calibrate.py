@@ -57,14 +57,24 @@ def max_representable(ts: TensorScheme) -> float:
 
 
 def scale_from_clip(clip: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
-    """float32 ``max(clip / max_representable(ts), 2^-126)`` (``_affine``'s division and eps)."""
+    """float32 ``max(clip / max_representable(ts), 2^-126)`` (``_affine``'s division and eps); for NVFP4's
+    ``dynamic="local"`` the global scale ``448 * 6 / clip`` (``_local``)."""
+    if ts.dynamic == "local":
+        from ._local import global_scale_from_clip
+
+        return global_scale_from_clip(clip)
     return torch.clamp(clip.float() / max_representable(ts), min=_TINY)
 
 
 def fake_quantize_static(x: torch.Tensor, scale: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
     """Quantize-dequantize ``x`` with the fixed per-tensor ``scale`` (float32 math, ``x``'s dtype out): integers
     ``clamp(round(x * fl(1 / scale)), qmin, qmax) * scale`` (torchao's reciprocal), floats
-    ``Q_elem(clamp(x / scale, -max, max)) * scale`` (division, round to nearest even)."""
+    ``Q_elem(clamp(x / scale, -max, max)) * scale`` (division, round to nearest even); ``dynamic="local"``:
+    ``_local.fake_quantize_local`` with ``scale`` the global scale."""
+    if ts.dynamic == "local":
+        from ._local import fake_quantize_local
+
+        return fake_quantize_local(x, scale, ts)
     xf = x.float()
     if ts.is_int:
         qmin, qmax = int_range(ts.format)

@@ -8,7 +8,8 @@ Every ``nn.Linear`` that ``plan(model, scheme)`` selects is replaced, in place, 
   ``unquantize_model`` gives back an ``nn.Linear`` with the same values bit for bit;
 * its input is fake-quantized on every call by the scheme's ``input_activations``: dynamic schemes compute their
   scales from each input (per token, per tensor, per group: ``fake_quantize_activation``), static ones use the
-  per-tensor scale fixed by calibration (buffer ``input_scale``, float32);
+  per-tensor scale fixed by calibration (buffer ``input_scale``, float32); NVFP4's ``dynamic="local"`` uses the
+  calibrated global scale (buffer ``input_global_scale``) with group scales from each input (``_local``);
 * then ``F.linear(x_hat, weight, bias)``.
 
 Serving semantics: weights and bias are buffers, so no gradient reaches them; use ``lowprec.nn`` for
@@ -36,7 +37,7 @@ from torch import nn
 
 from .._batches import call_model
 from .._errors import UsageError
-from . import _affine, _algorithms, _calibrate, _plan
+from . import _affine, _algorithms, _calibrate, _local, _plan
 from ._scheme import Scheme, TensorScheme
 from ._sync import Sync
 
@@ -50,7 +51,9 @@ def _affine_view(ts: TensorScheme) -> TensorScheme:
 def fake_quantize_activation(x: torch.Tensor, ts: TensorScheme, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize-dequantize an activation ``x [..., K]`` with ``ts`` (``x``'s shape and dtype).
 
-    ``scale`` given (static per-tensor, float32): ``_calibrate.fake_quantize_static``.  Otherwise dynamic: integer
+    ``scale`` given (static per-tensor, float32): ``_calibrate.fake_quantize_static``; for NVFP4's
+    ``dynamic="local"`` it is the calibrated global scale, and the group scales come from ``x``
+    (``_local.fake_quantize_local``).  Otherwise dynamic: integer
     schemes and float formats with float32 scales apply ``_affine``'s rules to ``x`` viewed as ``[tokens, K]``
     (``"token"``: one scale per row, ``amax / 127.5`` for int8, ``amax / 448`` for e4m3; ``"tensor"``: one for the
     whole input; ``"group"``/``"block"`` ``(1, b)``: one per group along ``K``); MX and NVFP4 are
@@ -58,6 +61,8 @@ def fake_quantize_activation(x: torch.Tensor, ts: TensorScheme, scale: torch.Ten
     the plain tensor operations (``_calibrate.fake_quantize_static``, ``_affine._reference_fake_quantize_*``).
     """
     if scale is not None:
+        if ts.dynamic == "local":
+            return _local.fake_quantize_local(x, scale, ts)
         return _affine.fake_quantize_static(x, scale, ts)
     if ts.scale_format != "float32":
         from ..quant import fake_quantize
@@ -73,7 +78,10 @@ class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` under a scheme, for emulated inference (module docstring).
 
     Buffers: ``weight`` (fake-quantized once), ``bias`` (or None), ``original_weight`` (non-persistent),
-    ``input_scale`` (static activation schemes only: the calibrated float32 per-tensor scale), ``smooth`` (None,
+    ``input_scale`` (static activation schemes only: the calibrated float32 per-tensor scale, shape ``[1]`` as
+    compressed-tensors and vLLM store it),
+    ``input_global_scale`` (NVFP4 ``dynamic="local"`` only: the calibrated float32 ``[1]`` global scale
+    ``448 * 6 / c``, compressed-tensors' name; the constructor takes it as ``input_scale``), ``smooth`` (None,
     or a float32 ``[in_features]`` per-input-channel divisor: SmoothQuant, and AWQ when the inputs are quantized;
     the forward computes ``x / smooth`` before the activation quantizer and ``weight`` is the quantized
     ``original_weight * smooth``), ``weight_scale`` / ``weight_zero_point`` (non-persistent; None, or for GPTQ the
@@ -88,6 +96,7 @@ class QuantizedLinear(nn.Module):
     original_weight: torch.Tensor
     bias: torch.Tensor | None
     input_scale: torch.Tensor | None
+    input_global_scale: torch.Tensor | None
     smooth: torch.Tensor | None
     weight_scale: torch.Tensor | None
     weight_zero_point: torch.Tensor | None
@@ -119,10 +128,13 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("weight", wq)
         self.register_buffer("original_weight", w, persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-        static = input_activations is not None and input_activations.dynamic is False
-        if static and input_scale is None:
-            raise UsageError(f"QuantizedLinear {name!r}: a static activation scheme needs input_scale")
-        self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().float().clone())
+        calibrated = input_activations is not None and input_activations.dynamic in (False, "local")
+        if calibrated and input_scale is None:
+            raise UsageError(f"QuantizedLinear {name!r}: a static or 'local' activation scheme needs input_scale")
+        local = input_activations is not None and input_activations.dynamic == "local"
+        scale = None if input_scale is None else input_scale.detach().float().reshape(1).clone()
+        self.register_buffer("input_scale", None if local else scale)
+        self.register_buffer("input_global_scale", scale if local else None)
         self.register_buffer("smooth", None if smooth is None else smooth.detach().float().clone())
         self.register_buffer("weight_scale", None if weight_scale is None else weight_scale.detach().float().clone(),
                              persistent=False)
@@ -136,7 +148,8 @@ class QuantizedLinear(nn.Module):
         if self.smooth is not None:
             x = (x / self.smooth).to(x.dtype)
         if self.input_activations is not None:
-            x = fake_quantize_activation(x, self.input_activations, self.input_scale)
+            scale = self.input_scale if self.input_global_scale is None else self.input_global_scale
+            x = fake_quantize_activation(x, self.input_activations, scale)
         return F.linear(x, self.weight, self.bias)
 
     def to_linear(self) -> nn.Linear:
@@ -152,7 +165,7 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         act = "none" if self.input_activations is None else (
             f"{self.input_activations.format}/{self.input_activations.granularity}"
-            f"/{'static' if self.input_activations.dynamic is False else 'dynamic'}")
+            f"/{ {False: 'static', 'local': 'local'}.get(self.input_activations.dynamic, 'dynamic')}")
         wts = "none" if self.weights is None else f"{self.weights.format}/{self.weights.granularity}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weights={wts}, input_activations={act}" + (", smooth=True" if self.smooth is not None else ""))
@@ -165,9 +178,6 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def _check_static(name: str, ts: TensorScheme) -> None:
-    if ts.dynamic == "local":
-        raise UsageError(f"layer {name!r}: input_activations.dynamic='local' (NVFP4's calibrated tensor scale) is not"
-                         " supported by quantize_model yet; use a dynamic scheme (dynamic=True)")
     if ts.dynamic is False and (ts.granularity != "tensor" or ts.scale_format != "float32" or not ts.symmetric):
         raise UsageError(f"layer {name!r}: static (dynamic=False) input activations are calibrated per tensor with a "
                          f"float32 scale, symmetric; got granularity={ts.granularity!r}, scale_format="
@@ -295,7 +305,7 @@ def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_
             else:
                 smooth, qw = s, _algorithms.awq_weight(w, s, ts)
         scale = None
-        if act is not None and act.dynamic is False:
+        if act is not None and act.dynamic in (False, "local"):
             assert st.amax is not None
             amax = st.amax if smooth is None else (st.amax / smooth).to(st.dtype).float()
             scale = _calibrate.scale_from_clip(amax.max(), act)
@@ -382,7 +392,7 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
             _set_module(model, name, module)
         return model
     static = {e.name: e.input_activations for e in entries
-              if e.input_activations is not None and e.input_activations.dynamic is False}
+              if e.input_activations is not None and e.input_activations.dynamic in (False, "local")}
     scales: dict[str, torch.Tensor] = {}
     if static:
         if calibration_data is None:
