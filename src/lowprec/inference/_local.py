@@ -42,16 +42,21 @@ def global_scale_from_clip(clip: torch.Tensor) -> torch.Tensor:
 
 def fake_quantize_local(x: torch.Tensor, global_scale: torch.Tensor, ts: TensorScheme) -> torch.Tensor:
     """Quantize-dequantize ``x [..., K]`` (``K`` a multiple of ``ts.group_size``) with the calibrated float32
-    ``global_scale`` (module docstring); ``x``'s shape and dtype."""
-    from ..quant import quantize
+    ``global_scale`` (module docstring); ``x``'s shape and dtype.
+
+    One float32 scratch tensor: ``|x|`` (for the group maxima), then ``x / e`` written over it, clamped, rounded by
+    ``lowprec.quant``'s round-to-nearest route with its bound 6 known, times ``e``."""
+    from ._affine import _round_in_place
 
     k, gs = x.shape[-1], int(ts.group_size or 16)
     xg = x.unflatten(-1, (k // gs, gs))
-    raw = xg.abs().amax(dim=-1, keepdim=True) / E2M1_MAX  # in x's dtype
+    scratch = xg.abs() if x.dtype == torch.float32 else xg.float().abs_()
+    amax = scratch.amax(dim=-1, keepdim=True).to(x.dtype)  # exact: a max of |x| in x's dtype
     g = global_scale.float().reshape(1)
-    s = torch.clamp(g * raw, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
-    s = torch.where(s == 0, torch.tensor(ZERO_SCALE, dtype=torch.float32, device=s.device), s)
+    s = torch.clamp(g * (amax / E2M1_MAX), -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    s.masked_fill_(s == 0, ZERO_SCALE)
     eff = s / g
-    v = torch.clamp(xg / eff, -E2M1_MAX, E2M1_MAX)
-    q = quantize(v, formats.get(ts.format), saturate=True)
-    return (q * eff).flatten(-2).to(x.dtype)
+    v = torch.div(xg, eff, out=scratch).clamp_(-E2M1_MAX, E2M1_MAX)
+    finite = bool(torch.isfinite(amax).all())
+    q = _round_in_place(v, formats.get(ts.format), E2M1_MAX if finite else None)
+    return q.mul_(eff).flatten(-2).to(x.dtype)

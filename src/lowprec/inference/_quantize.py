@@ -37,7 +37,7 @@ from torch import nn
 
 from .._batches import call_model
 from .._errors import UsageError
-from . import _affine, _algorithms, _calibrate, _local, _plan
+from . import _affine, _algorithms, _calibrate, _kvcache, _local, _plan
 from ._scheme import Scheme, TensorScheme
 from ._sync import Sync
 
@@ -185,11 +185,11 @@ def _check_static(name: str, ts: TensorScheme) -> None:
 
 
 def _observe(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[str, torch.Tensor], None],
-             calibration_data: Iterable[Any], batches: int | None) -> int:
+             calibration_data: Iterable[Any], batches: int | None, kv: _kvcache.KVObserver | None = None) -> int:
     """Run ``model`` (eval mode, no grad) over ``calibration_data``, call ``observe(name, x)`` with every input
     ``x`` of every layer in ``layers`` (module docstring) and return the number of batches; UsageError for a batch
     a layer cannot take and a batch the model cannot run.  Modes are restored and hooks removed whatever
-    happens."""
+    happens.  ``kv``: also observe those attention layers' keys and values (``_kvcache``)."""
     current = [0]
 
     def hook_for(name: str, in_features: int) -> Any:
@@ -206,6 +206,8 @@ def _observe(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[
     modes = {m: m.training for m in model.modules()}
     count = 0
     try:
+        if kv is not None:
+            kv.install()
         model.eval()
         data = calibration_data if batches is None else itertools.islice(calibration_data, batches)
         with torch.no_grad():
@@ -220,24 +222,38 @@ def _observe(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[
     finally:
         for h in hooks:
             h.remove()
+        if kv is not None:
+            kv.remove()
         for m, mode in modes.items():
             m.training = mode
     return count
 
 
 def _observe_all(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[str, torch.Tensor], None],
-                 calibration_data: Iterable[Any], batches: int | None, sync: Sync) -> None:
+                 calibration_data: Iterable[Any], batches: int | None, sync: Sync,
+                 kv: _kvcache.KVObserver | None = None) -> None:
     """``_observe`` on every rank of ``sync`` (``_sync``: the ranks agree on failure); UsageError when the whole
     group saw no batch."""
-    count = sync.run(lambda: _observe(model, layers, observe, calibration_data, batches), "calibration")
+    count = sync.run(lambda: _observe(model, layers, observe, calibration_data, batches, kv), "calibration")
     if int(sync.all_reduce(torch.tensor([count], dtype=torch.int64), "sum")) == 0:
         raise UsageError("quantize_model: calibration_data is empty (no batch): pass at least one batch of "
                          "representative inputs" + (" on at least one rank" if sync.active else ""))
 
 
+def _combine(value: Any, keep: bool, sync: Sync) -> Any:
+    """One layer's observation combined over the ranks (``_sync``): the list of observed inputs gathered in rank
+    order (``keep``), or the running amax (None: never reached) reduced by MAX."""
+    if keep:
+        combined = sync.cat(torch.cat(value) if value else torch.empty(0))
+        return [combined] if combined.numel() else []
+    amax = sync.all_reduce(torch.full((1,), -1.0) if value is None else value.reshape(1), "max")
+    return None if float(amax) < 0 else amax.reshape(())
+
+
 def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, TensorScheme],
               calibration_data: Iterable[Any], *, algorithm: str = "max", percentile: float = 99.99,
-              batches: int | None = None, sync: Sync | None = None) -> dict[str, torch.Tensor]:
+              batches: int | None = None, sync: Sync | None = None,
+              kv: _kvcache.KVObserver | None = None) -> dict[str, torch.Tensor]:
     """The float32 static input scale of every layer in ``static`` (name -> activation scheme) from running
     ``model`` over ``calibration_data`` (module docstring; ``_calibrate`` for the algorithms), combined over the
     ranks of ``sync`` (``_sync``)."""
@@ -253,15 +269,9 @@ def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, 
             amax = x.detach().float().abs().amax()
             seen[name] = amax if seen[name] is None else torch.maximum(seen[name], amax)
 
-    _observe_all(model, {n: layers[n] for n in static}, observe, calibration_data, batches, sync)
+    _observe_all(model, {n: layers[n] for n in static}, observe, calibration_data, batches, sync, kv)
     for n in static:  # the same order on every rank (the plan's)
-        if keep:
-            local = torch.cat(seen[n]) if seen[n] else torch.empty(0)
-            combined = sync.cat(local)
-            seen[n] = [combined] if combined.numel() else []
-        else:
-            amax = sync.all_reduce(torch.full((1,), -1.0) if seen[n] is None else seen[n].reshape(1), "max")
-            seen[n] = None if float(amax) < 0 else amax.reshape(())
+        seen[n] = _combine(seen[n], keep, sync)
     missing = [n for n in static if seen[n] is None or (keep and not seen[n])]
     if missing:
         raise UsageError(f"quantize_model: the calibration batches never reached layer(s) {missing}: their static "
@@ -272,13 +282,13 @@ def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, 
 
 def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_data: Iterable[Any],
                   algorithm: str, options: dict[str, Any], batches: int | None,
-                  sync: Sync) -> dict[str, QuantizedLinear]:
+                  sync: Sync, kv: _kvcache.KVObserver | None = None) -> dict[str, QuantizedLinear]:
     """The ``QuantizedLinear`` of every planned layer under ``"gptq"``, ``"awq"`` or ``"smoothquant"``
     (``_algorithms``), from one calibration pass (statistics combined over the ranks of ``sync``); static
     activation scales are the ``"max"`` of each layer's (smoothed) inputs."""
     layers: dict[str, nn.Linear] = {e.name: e.module for e in entries}  # type: ignore[misc]
     stats = {n: _algorithms.LayerStats(need_gram=algorithm != "smoothquant") for n in layers}
-    _observe_all(model, layers, lambda n, x: stats[n].add(x), calibration_data, batches, sync)
+    _observe_all(model, layers, lambda n, x: stats[n].add(x), calibration_data, batches, sync, kv)
     if sync.active:
         for n, lin in layers.items():
             _algorithms.reduce_stats(stats[n], lin.in_features, lin.weight.device, sync)
@@ -362,7 +372,7 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"quantize_model: model must be a torch.nn.Module; got {type(model).__name__}")
-    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
+    if any(isinstance(m, QuantizedLinear) or _kvcache.is_attached(m) for m in model.modules()):
         raise UsageError("quantize_model: the model already holds QuantizedLinear layers; call "
                          "lowprec.inference.unquantize_model(model) first")
     aware = algorithm in _algorithms.WEIGHT_ALGORITHMS
@@ -382,43 +392,63 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
         if e.input_activations is not None:
             _check_static(e.name, e.input_activations)
         _algorithms.check_weights(algorithm, e.name, e.weights)
-    if aware:
+    kv_ts = scheme.kv_cache
+    attn: dict[str, nn.Module] = {}
+    if kv_ts is not None:
+        _kvcache.check_kv_scheme(kv_ts)
+        attn = _kvcache.find_attention(model)
         if calibration_data is None:
-            raise UsageError(f"quantize_model: algorithm={algorithm!r} needs calibration_data (the layers' inputs); "
-                             "pass batches of representative inputs")
-        sync.check_same("the model, scheme and algorithm", _fingerprint(scheme, entries, algorithm, percentile, opts))
-        new = _weight_aware(model, entries, calibration_data, algorithm, opts, batches, sync)
-        for name, module in new.items():
-            _set_module(model, name, module)
-        return model
+            raise UsageError(f"quantize_model: scheme {scheme.name!r} quantizes the KV cache with calibrated "
+                             "k_scale / v_scale and needs calibration_data; pass batches of representative inputs")
+    kv_algorithm = algorithm if algorithm in _calibrate.ALGORITHMS else "max"
+    kv = _kvcache.KVObserver(attn, keep=kv_algorithm != "max") if attn else None
     static = {e.name: e.input_activations for e in entries
               if e.input_activations is not None and e.input_activations.dynamic in (False, "local")}
-    scales: dict[str, torch.Tensor] = {}
-    if static:
-        if calibration_data is None:
-            raise UsageError(f"quantize_model: scheme {scheme.name!r} has static input activations (layers "
-                             f"{sorted(static)[:5]}{'...' if len(static) > 5 else ''}) and needs calibration_data; "
-                             "pass batches of representative inputs, or use a dynamic scheme (e.g. 'fp8-dynamic')")
+    if aware and calibration_data is None:
+        raise UsageError(f"quantize_model: algorithm={algorithm!r} needs calibration_data (the layers' inputs); "
+                         "pass batches of representative inputs")
+    if static and calibration_data is None:
+        raise UsageError(f"quantize_model: scheme {scheme.name!r} has static input activations (layers "
+                         f"{sorted(static)[:5]}{'...' if len(static) > 5 else ''}) and needs calibration_data; "
+                         "pass batches of representative inputs, or use a dynamic scheme (e.g. 'fp8-dynamic')")
+    if aware or static or kv is not None:
+        sync.check_same("the model, scheme and algorithm", _fingerprint(scheme, entries, algorithm, percentile, opts)
+                        + "|" + ";".join(attn))
+    assert calibration_data is not None or not (aware or static or kv is not None)
+    if aware:
+        new = _weight_aware(model, entries, calibration_data, algorithm, opts, batches, sync,  # type: ignore[arg-type]
+                            kv)
+    else:
+        scales: dict[str, torch.Tensor] = {}
         layers = {e.name: e.module for e in entries}
-        sync.check_same("the model, scheme and algorithm", _fingerprint(scheme, entries, algorithm, percentile, opts))
-        scales = calibrate(model, layers, static, calibration_data,  # type: ignore[arg-type]
-                           algorithm=algorithm, percentile=percentile, batches=batches, sync=sync)
-    new = {e.name: QuantizedLinear(e.module, name=e.name, group=e.group, weights=e.weights,  # type: ignore[arg-type]
-                                   input_activations=e.input_activations, input_scale=scales.get(e.name),
-                                   algorithm=algorithm)
-           for e in entries}
+        if static:
+            scales = calibrate(model, layers, static, calibration_data,  # type: ignore[arg-type]
+                               algorithm=algorithm, percentile=percentile, batches=batches, sync=sync, kv=kv)
+        elif kv is not None:
+            _observe_all(model, {}, lambda n, x: None, calibration_data,  # type: ignore[arg-type]
+                         batches, sync, kv)
+        new = {e.name: QuantizedLinear(e.module, name=e.name, group=e.group,  # type: ignore[arg-type]
+                                       weights=e.weights, input_activations=e.input_activations,
+                                       input_scale=scales.get(e.name), algorithm=algorithm)
+               for e in entries}
+    kv_scales = {} if kv is None else kv.scales(kv_ts, kv_algorithm, percentile,  # type: ignore[arg-type]
+                                                lambda v, keep: _combine(v, keep, sync))
     for name, module in new.items():
         _set_module(model, name, module)
+    for name, (k_scale, v_scale) in kv_scales.items():
+        _kvcache.attach(attn[name], kv_ts, k_scale, v_scale)  # type: ignore[arg-type]
     return model
 
 
 def unquantize_model(model: nn.Module) -> nn.Module:
     """Replace, in place, every ``QuantizedLinear`` by an ``nn.Linear`` with its original weight and bias (bit for
-    bit) and return ``model``."""
+    bit), remove the KV cache quantizers (hooks, ``k_scale`` / ``v_scale``), and return ``model``."""
     names = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
     if isinstance(model, QuantizedLinear):
         raise UsageError("unquantize_model: pass the model holding the QuantizedLinear, not the layer itself; "
                          "use layer.to_linear()")
+    for _, m in list(_kvcache.attached(model)):
+        _kvcache.detach(m)
     for name in names:
         _set_module(model, name, model.get_submodule(name).to_linear())  # type: ignore[operator]
     return model
