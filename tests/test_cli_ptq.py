@@ -54,6 +54,15 @@ def test_ptq_gptq_table(trained, tmp_path: Path, capsys) -> None:
     assert scheme.name == "fp8-dynamic" and state
 
 
+def test_ptq_smoothquant_folded_checkpoint(trained, tmp_path, capsys) -> None:
+    store, rid = trained
+    rc = main(["ptq", "--run", rid, "--store", store, "--scheme", "w8a8-int8", "--algorithm", "smoothquant",
+               "--option", "alpha=0.6", "--option", "fold=true", "--out", str(tmp_path / "ck")])
+    assert rc in (0, 1, 3) and "w8a8-int8 (smoothquant)" in capsys.readouterr().out
+    state, scheme = inf.load_quantized(tmp_path / "ck")  # the factors live in the folded LayerNorms
+    assert scheme.name == "w8a8-int8" and not any(k.endswith("smooth") for k in state)
+
+
 @pytest.mark.parametrize("args, match", [
     (["--scheme", "w9a9"], "--scheme must be a preset"),
     (["--scheme", "missing.toml"], "no such file"),
@@ -61,6 +70,11 @@ def test_ptq_gptq_table(trained, tmp_path: Path, capsys) -> None:
     (["--scheme", "w8a8-int8", "--batches", "0"], "--batches must be >= 1"),
     (["--scheme", "w8a8-int8", "--criteria", "nope.json"], "cannot read"),
     (["--scheme", "fp8-dynamic", "--algorithm", "awq", "--out", "ck"], "--out: a model quantized with algorithm 'awq'"),
+    (["--scheme", "fp8-dynamic", "--algorithm", "smoothquant", "--out", "ck", "--option", "alpha=0.8"],
+     "(CLI: --option fold=true)"),
+    (["--scheme", "fp8-dynamic", "--algorithm", "smoothquant", "--option", "alpha"],
+     "--option 'alpha': expected KEY=VALUE"),
+    (["--scheme", "fp8-dynamic", "--algorithm", "smoothquant", "--option", "beta=1"], "unknown option 'beta'"),
     (["--scheme", "mxfp8", "--algorithm", "gptq", "--out", "ck"], "GPTQ's float32 scales cannot be stored"),
 ])
 def test_ptq_bad_input_exits_2(trained, capsys, args, match) -> None:

@@ -407,8 +407,8 @@ class _Smoothed(nn.Module):
 
 def test_save_errors(tmp_path: Any) -> None:
     dest = str(tmp_path / "x")
-    with pytest.raises(UsageError, match=r"module 'fc' has a per-input-channel 'smooth'.*smoothing factors must be "
-                                         r"folded into the previous layer before saving"):
+    with pytest.raises(UsageError, match=r"module 'fc' has a per-input-channel 'smooth'.*options=\{'fold': True\} "
+                                         r"to fold the factors into the norms"):
         I.save_quantized(_Smoothed(), I.get("mxfp8"), dest)
     m = _mlp()
     with torch.no_grad():

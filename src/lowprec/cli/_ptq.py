@@ -57,6 +57,20 @@ def _criteria(args: argparse.Namespace) -> Any:
     return crit
 
 
+def _options(pairs: list[str] | None) -> dict[str, Any]:
+    """``--option KEY=VALUE`` pairs; VALUE is JSON (``0.8``, ``true``, ``64``) or else a plain string."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, eq, raw = pair.partition("=")
+        if not eq or not key:
+            raise UsageError(f"--option {pair!r}: expected KEY=VALUE, e.g. --option alpha=0.8 or --option fold=true")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
 def cmd_ptq(args: argparse.Namespace) -> int:
     import copy
 
@@ -68,11 +82,12 @@ def cmd_ptq(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
     scheme = _scheme(args.scheme)
     criteria = _criteria(args)
+    options = _options(args.option)
     if args.out:
         from ..inference._checkpoint import check_savable
 
         try:
-            check_savable(scheme, args.algorithm)
+            check_savable(scheme, args.algorithm, options)
         except UsageError as e:
             raise UsageError(f"--out: {e}") from None
     store = open_store(store_path(args), create=False)
@@ -82,7 +97,8 @@ def cmd_ptq(args: argparse.Namespace) -> int:
         inference.plan(model, scheme)  # the scheme fits the model, before any calibration
         batches = eval_batches(cal, args.calibration_batches + args.batches)
         calib, held = batches[:args.calibration_batches], batches[args.calibration_batches:]
-        quantized = inference.quantize_model(copy.deepcopy(model), scheme, calib, algorithm=args.algorithm)
+        quantized = inference.quantize_model(copy.deepcopy(model), scheme, calib, algorithm=args.algorithm,
+                                             options=options or None)
         verdict = inference.judge_inference(model, quantized, held, criteria, bf16="auto" if args.bf16 else None,
                                             reference_name=f"{cal.task.name} run {cal.run_id} fp32",
                                             candidate_name=f"{scheme.name} ({args.algorithm})")
@@ -113,6 +129,9 @@ def add_parsers(sub: Any) -> None:
                    help="a preset (w8a8-int8, fp8-dynamic, ...) or a scheme .toml/.json")
     p.add_argument("--algorithm", choices=ALGORITHM_CHOICES, default="max",
                    help="calibration algorithm (default max)")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="an option of the algorithm, repeatable: gptq damp/block_size/act_order/static_groups, awq "
+                        "n_grid/fold, smoothquant alpha/fold (e.g. --option fold=true)")
     p.add_argument("--calibration-batches", type=int, default=4, metavar="N", help="calibration batches (default 4)")
     p.add_argument("--batches", type=int, default=8, metavar="N", help="held-out batches judged (default 8)")
     p.add_argument("--criteria", metavar="FILE.json", help="InferenceCriteria fields as JSON (default: defaults)")

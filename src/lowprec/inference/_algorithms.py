@@ -57,8 +57,8 @@ from ._scheme import TensorScheme
 WEIGHT_ALGORITHMS: tuple[str, ...] = ("gptq", "awq", "smoothquant")
 DEFAULTS: dict[str, dict[str, Any]] = {
     "gptq": {"damp": 0.01, "block_size": 128, "act_order": False, "static_groups": False},
-    "awq": {"n_grid": 20},
-    "smoothquant": {"alpha": 0.5},
+    "awq": {"n_grid": 20, "fold": False},
+    "smoothquant": {"alpha": 0.5, "fold": False},
 }
 """Each algorithm's options and their defaults (``quantize_model(..., options=...)``)."""
 
@@ -83,7 +83,7 @@ def check_options(algorithm: str, options: Any) -> dict[str, Any]:
         out[key] = value
     where = f"quantize_model: options[{{!r}}] (algorithm={algorithm!r})"
     for key, value in out.items():
-        if key in ("act_order", "static_groups"):
+        if key in ("act_order", "static_groups", "fold"):
             if not isinstance(value, bool):
                 raise UsageError(f"{where.format(key)} must be True or False; got {value!r}")
         elif key in ("block_size", "n_grid"):
@@ -318,6 +318,28 @@ def awq_search(weight: torch.Tensor, stats: LayerStats, ts: TensorScheme, n_grid
         s = awq_channel_scale(abs_mean, a)
         d = (awq_weight(weight, s, ts) / s).double() - w
         errors.append(float(((d @ stats.gram) * d).sum()) / (max(stats.tokens, 1) * n))
+        scales.append(s)
+    best = min(range(len(errors)), key=lambda i: (errors[i], i))
+    return scales[best], awq_grid(n_grid)[best], errors
+
+
+def awq_search_group(weights: list[torch.Tensor], stats: LayerStats, schemes: list[TensorScheme], n_grid: int = 20
+                     ) -> tuple[torch.Tensor, float, list[float]]:
+    """``awq_search`` for layers reading the same input (one ``s`` for all, to fold into the norm before them):
+    the error is the mean squared output error over all their outputs, ``sum_l ||X (W'_l - W_l)^T||^2 /
+    (T sum_l N_l)``."""
+    assert stats.gram is not None and stats.abs_sum is not None
+    abs_mean = stats.abs_sum / max(stats.tokens, 1)
+    n = sum(w.shape[0] for w in weights)
+    errors: list[float] = []
+    scales: list[torch.Tensor] = []
+    for a in awq_grid(n_grid):
+        s = awq_channel_scale(abs_mean, a)
+        total = 0.0
+        for w, ts in zip(weights, schemes, strict=True):
+            d = (awq_weight(w, s, ts) / s).double() - w.detach().double()
+            total += float(((d @ stats.gram) * d).sum())
+        errors.append(total / (max(stats.tokens, 1) * n))
         scales.append(s)
     best = min(range(len(errors)), key=lambda i: (errors[i], i))
     return scales[best], awq_grid(n_grid)[best], errors

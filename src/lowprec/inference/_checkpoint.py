@@ -362,8 +362,8 @@ def _layers(model: nn.Module, scheme: Scheme) -> list[_Layer]:
     for name, m in model.named_modules():
         if getattr(m, "smooth", None) is not None:
             raise UsageError(f"save_quantized: module {name or type(m).__name__!r} has a per-input-channel 'smooth' "
-                             "buffer (SmoothQuant / AWQ): smoothing factors must be folded into the previous layer "
-                             "before saving (compressed-tensors checkpoints have no place for them)")
+                             "buffer (SmoothQuant / AWQ): compressed-tensors checkpoints have no place for it; "
+                             "quantize with options={'fold': True} to fold the factors into the norms")
     quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
     if not quantized:
         return [_Layer(e.name, e.group, e.weights, _weight_of(e.module), None) for e in plan(model, scheme)]
@@ -384,19 +384,21 @@ def _layers(model: nn.Module, scheme: Scheme) -> list[_Layer]:
             raise UsageError(f"save_quantized: module {n!r} is an nn.Linear that scheme {scheme.name!r} targets but "
                              "quantize_model did not convert; a checkpoint would claim it is quantized: quantize it "
                              "or add it to Scheme.ignore")
-    return [_Layer(n, m.group, m.weights, m.original_weight.detach(), m.weight.detach(),
+    return [_Layer(n, m.group, m.weights, m.original_weight.detach() if m.folded is None
+                   else m.original_weight.detach().float() * m.folded, m.weight.detach(),
                    None if m.weight_scale is None or m.weight_zero_point is None
                    else (m.weight_scale, m.weight_zero_point), m.algorithm) for n, m in quantized]
 
 
-def check_savable(scheme: Scheme, algorithm: str = "max") -> None:
+def check_savable(scheme: Scheme, algorithm: str = "max", options: Mapping[str, Any] | None = None) -> None:
     """Raise UsageError, before any calibration, when ``save_quantized`` could not store a model that
-    ``quantize_model(model, scheme, algorithm=algorithm)`` makes: an unsupported compressed-tensors format,
-    SmoothQuant or AWQ (per-input-channel factors), or GPTQ with MX / NVFP4 weights (float32 scales)."""
-    if algorithm in ("smoothquant", "awq"):
-        raise UsageError(f"a model quantized with algorithm {algorithm!r} cannot be saved yet: its per-input-channel "
-                         "factors would have to be folded into the previous layers, which compressed-tensors "
-                         "checkpoints need and lowprec does not do yet; use algorithm 'gptq' or 'max' for a checkpoint")
+    ``quantize_model(model, scheme, algorithm=algorithm, options=options)`` makes: an unsupported
+    compressed-tensors format, SmoothQuant or AWQ without ``fold`` (per-input-channel factors left in the layers),
+    or GPTQ with MX / NVFP4 weights (float32 scales)."""
+    if algorithm in ("smoothquant", "awq") and not (options or {}).get("fold"):
+        raise UsageError(f"a model quantized with algorithm {algorithm!r} keeps per-input-channel factors in its "
+                         "layers, which compressed-tensors checkpoints have no place for: fold them into the norms "
+                         "with options={'fold': True} (CLI: --option fold=true), or use algorithm 'gptq' or 'max'")
     for g in scheme.config_groups:
         fmt = _group_format(g)
         if fmt not in _SUPPORTED:

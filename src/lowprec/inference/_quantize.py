@@ -37,7 +37,7 @@ from torch import nn
 
 from .._batches import call_model
 from .._errors import UsageError
-from . import _affine, _algorithms, _calibrate, _kvcache, _local, _plan
+from . import _affine, _algorithms, _calibrate, _fold, _kvcache, _local, _plan
 from ._scheme import Scheme, TensorScheme
 from ._sync import Sync
 
@@ -98,6 +98,7 @@ class QuantizedLinear(nn.Module):
     input_scale: torch.Tensor | None
     input_global_scale: torch.Tensor | None
     smooth: torch.Tensor | None
+    folded: torch.Tensor | None
     weight_scale: torch.Tensor | None
     weight_zero_point: torch.Tensor | None
 
@@ -105,7 +106,7 @@ class QuantizedLinear(nn.Module):
                  input_activations: TensorScheme | None = None, input_scale: torch.Tensor | None = None,
                  smooth: torch.Tensor | None = None, quantized_weight: torch.Tensor | None = None,
                  weight_scale: torch.Tensor | None = None, weight_zero_point: torch.Tensor | None = None,
-                 algorithm: str = "max") -> None:
+                 algorithm: str = "max", folded: torch.Tensor | None = None) -> None:
         super().__init__()
         self.algorithm = algorithm
         self.in_features = linear.in_features
@@ -123,7 +124,8 @@ class QuantizedLinear(nn.Module):
             if quantized_weight is not None:
                 wq = quantized_weight.detach().to(w.dtype).clone()
             else:
-                base = w if smooth is None else w.float() * smooth.float()
+                factor = smooth if smooth is not None else folded
+                base = w if factor is None else w.float() * factor.float()
                 wq = (base.clone() if weights is None else _plan.fake_quantize_weight(base, weights)).to(w.dtype)
         self.register_buffer("weight", wq)
         self.register_buffer("original_weight", w, persistent=False)
@@ -136,6 +138,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("input_scale", None if local else scale)
         self.register_buffer("input_global_scale", scale if local else None)
         self.register_buffer("smooth", None if smooth is None else smooth.detach().float().clone())
+        self.register_buffer("folded", None if folded is None else folded.detach().float().clone(), persistent=False)
         self.register_buffer("weight_scale", None if weight_scale is None else weight_scale.detach().float().clone(),
                              persistent=False)
         self.register_buffer("weight_zero_point", None if weight_zero_point is None else
@@ -185,11 +188,13 @@ def _check_static(name: str, ts: TensorScheme) -> None:
 
 
 def _observe(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[str, torch.Tensor], None],
-             calibration_data: Iterable[Any], batches: int | None, kv: _kvcache.KVObserver | None = None) -> int:
+             calibration_data: Iterable[Any], batches: int | None, kv: Any = None) -> int:
     """Run ``model`` (eval mode, no grad) over ``calibration_data``, call ``observe(name, x)`` with every input
     ``x`` of every layer in ``layers`` (module docstring) and return the number of batches; UsageError for a batch
     a layer cannot take and a batch the model cannot run.  Modes are restored and hooks removed whatever
-    happens.  ``kv``: also observe those attention layers' keys and values (``_kvcache``)."""
+    happens.  ``kv``: an observer installed for the pass (``install()`` / ``remove()``): the attention layers' keys
+    and values (``_kvcache.KVObserver``), or a list of observers."""
+    extras = [x for x in (kv if isinstance(kv, list) else [kv]) if x is not None]
     current = [0]
 
     def hook_for(name: str, in_features: int) -> Any:
@@ -206,8 +211,8 @@ def _observe(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[
     modes = {m: m.training for m in model.modules()}
     count = 0
     try:
-        if kv is not None:
-            kv.install()
+        for x in extras:
+            x.install()
         model.eval()
         data = calibration_data if batches is None else itertools.islice(calibration_data, batches)
         with torch.no_grad():
@@ -222,8 +227,8 @@ def _observe(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[
     finally:
         for h in hooks:
             h.remove()
-        if kv is not None:
-            kv.remove()
+        for x in extras:
+            x.remove()
         for m, mode in modes.items():
             m.training = mode
     return count
@@ -231,7 +236,7 @@ def _observe(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[
 
 def _observe_all(model: nn.Module, layers: dict[str, nn.Linear], observe: Callable[[str, torch.Tensor], None],
                  calibration_data: Iterable[Any], batches: int | None, sync: Sync,
-                 kv: _kvcache.KVObserver | None = None) -> None:
+                 kv: Any = None) -> None:
     """``_observe`` on every rank of ``sync`` (``_sync``: the ranks agree on failure); UsageError when the whole
     group saw no batch."""
     count = sync.run(lambda: _observe(model, layers, observe, calibration_data, batches, kv), "calibration")
@@ -282,13 +287,17 @@ def calibrate(model: nn.Module, layers: dict[str, nn.Linear], static: dict[str, 
 
 def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_data: Iterable[Any],
                   algorithm: str, options: dict[str, Any], batches: int | None,
-                  sync: Sync, kv: _kvcache.KVObserver | None = None) -> dict[str, QuantizedLinear]:
+                  sync: Sync, kv: _kvcache.KVObserver | None = None
+                  ) -> tuple[dict[str, QuantizedLinear], dict[str, torch.Tensor]]:
     """The ``QuantizedLinear`` of every planned layer under ``"gptq"``, ``"awq"`` or ``"smoothquant"``
-    (``_algorithms``), from one calibration pass (statistics combined over the ranks of ``sync``); static
+    (``_algorithms``), from one calibration pass (statistics combined over the ranks of ``sync``), and the
+    factors to fold into norms (``_fold``: norm name -> ``s``; empty unless ``options["fold"]``); static
     activation scales are the ``"max"`` of each layer's (smoothed) inputs."""
     layers: dict[str, nn.Linear] = {e.name: e.module for e in entries}  # type: ignore[misc]
     stats = {n: _algorithms.LayerStats(need_gram=algorithm != "smoothquant") for n in layers}
-    _observe_all(model, layers, lambda n, x: stats[n].add(x), calibration_data, batches, sync, kv)
+    folding = bool(options.get("fold")) and algorithm in ("awq", "smoothquant")
+    edges = _fold.NormEdges(model, dict(layers)) if folding else None
+    _observe_all(model, layers, lambda n, x: stats[n].add(x), calibration_data, batches, sync, [kv, edges])
     if sync.active:
         for n, lin in layers.items():
             _algorithms.reduce_stats(stats[n], lin.in_features, lin.weight.device, sync)
@@ -296,12 +305,42 @@ def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_
     if missing:
         raise UsageError(f"quantize_model: the calibration batches never reached layer(s) {missing}: algorithm="
                          f"{algorithm!r} needs their inputs")
+    by_name = {e.name: e for e in entries}
+    shared: dict[str, torch.Tensor] = {}  # layer -> its norm's factor
+    folds: dict[str, torch.Tensor] = {}  # norm -> factor
+    if edges is not None:
+        groups = edges.groups()
+        sync.check_same("the norm-to-layer folding groups (every rank needs calibration batches with fold=True)",
+                        repr(sorted(groups.items())))
+        for norm, names in groups.items():
+            st = stats[names[0]]
+            ws = [layers[n].weight.detach() for n in names]
+            if algorithm == "smoothquant":
+                assert st.amax is not None
+                f = _algorithms.smoothquant_scale(st.amax, torch.cat([w.float() for w in ws]), options["alpha"])
+            else:
+                quantized = [n for n in names if by_name[n].weights is not None]
+                if not quantized:
+                    continue
+                f = _algorithms.awq_search_group([layers[n].weight.detach() for n in quantized], st,
+                                                 [by_name[n].weights for n in quantized],  # type: ignore[misc]
+                                                 options["n_grid"])[0]
+            folds[norm] = f
+            shared.update({n: f for n in names})
+        if folds:
+            assert edges.first_call is not None
+            _fold.verify(model, edges.first_call, edges.norms, folds,
+                         {g: [layers[n] for n in names if n in shared] for g, names in groups.items() if g in folds})
     out: dict[str, QuantizedLinear] = {}
     for e in entries:
         lin, st, ts, act = layers[e.name], stats[e.name], e.weights, e.input_activations
         w = lin.weight.detach()
-        smooth = qw = wscale = wzp = None
-        if algorithm == "smoothquant":
+        smooth = qw = wscale = wzp = folded = None
+        if folding:
+            folded = shared.get(e.name)  # layers not reading a norm are not smoothed (round to nearest)
+            if folded is not None and ts is not None and algorithm == "awq":
+                qw = _algorithms.awq_weight(w, folded, ts)
+        elif algorithm == "smoothquant":
             smooth = _algorithms.smoothquant_scale(st.amax, w, options["alpha"])  # type: ignore[arg-type]
         elif ts is not None and algorithm == "gptq":
             qw, wscale, wzp = _algorithms.gptq_weight(w, _algorithms.hessian(st), ts, damp=options["damp"],
@@ -317,12 +356,13 @@ def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_
         scale = None
         if act is not None and act.dynamic in (False, "local"):
             assert st.amax is not None
-            amax = st.amax if smooth is None else (st.amax / smooth).to(st.dtype).float()
+            div = smooth if smooth is not None else folded
+            amax = st.amax if div is None else (st.amax / div).to(st.dtype).float()
             scale = _calibrate.scale_from_clip(amax.max(), act)
         out[e.name] = QuantizedLinear(lin, name=e.name, group=e.group, weights=ts, input_activations=act,
                                       input_scale=scale, smooth=smooth, quantized_weight=qw, weight_scale=wscale,
-                                      weight_zero_point=wzp, algorithm=algorithm)
-    return out
+                                      weight_zero_point=wzp, algorithm=algorithm, folded=folded)
+    return out, folds
 
 
 def _fingerprint(scheme: Scheme, entries: list[_plan.PlanEntry], algorithm: str, percentile: float,
@@ -358,7 +398,9 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
             ``block_size`` = 128: columns per lazy-update block; ``act_order`` = False: columns by decreasing
             ``diag(H)``; ``static_groups`` = False: True takes group scales from the original weight instead of
             the updated one), ``"awq"`` (``n_grid`` = 20: exponents ``0, 1/n_grid, ..``) or ``"smoothquant"``
-            (``alpha`` = 0.5 in [0, 1]); a dict with any of these keys, the rest default.  None for the others.
+            (``alpha`` = 0.5 in [0, 1]); both also ``fold`` = False: True shares ``s`` among the layers reading
+            one norm and folds it into the norm (``_fold``), so the model can be saved.  A dict with any of
+            these keys, the rest default.  None for the others.
         distributed_sync: under ``torch.distributed`` with more than one rank, combine the calibration
             statistics of all ranks of ``process_group`` (None: the default group), each calibrating on its own
             batches, so that every rank gets the same scales and weights (``lowprec.inference._sync``).  When it
@@ -372,7 +414,7 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"quantize_model: model must be a torch.nn.Module; got {type(model).__name__}")
-    if any(isinstance(m, QuantizedLinear) or _kvcache.is_attached(m) for m in model.modules()):
+    if any(isinstance(m, QuantizedLinear) or _kvcache.is_attached(m) or _fold.is_folded(m) for m in model.modules()):
         raise UsageError("quantize_model: the model already holds QuantizedLinear layers; call "
                          "lowprec.inference.unquantize_model(model) first")
     aware = algorithm in _algorithms.WEIGHT_ALGORITHMS
@@ -416,9 +458,10 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
                         + "|" + ";".join(attn))
     assert calibration_data is not None or not (aware or static or kv is not None)
     if aware:
-        new = _weight_aware(model, entries, calibration_data, algorithm, opts, batches, sync,  # type: ignore[arg-type]
-                            kv)
+        new, folds = _weight_aware(model, entries, calibration_data,  # type: ignore[arg-type]
+                                   algorithm, opts, batches, sync, kv)
     else:
+        folds = {}
         scales: dict[str, torch.Tensor] = {}
         layers = {e.name: e.module for e in entries}
         if static:
@@ -435,6 +478,8 @@ def quantize_model(model: nn.Module, scheme: Scheme, calibration_data: Iterable[
                                                 lambda v, keep: _combine(v, keep, sync))
     for name, module in new.items():
         _set_module(model, name, module)
+    for name, f in folds.items():
+        _fold.fold(model.get_submodule(name), f)
     for name, (k_scale, v_scale) in kv_scales.items():
         _kvcache.attach(attn[name], kv_ts, k_scale, v_scale)  # type: ignore[arg-type]
     return model
@@ -449,6 +494,7 @@ def unquantize_model(model: nn.Module) -> nn.Module:
                          "use layer.to_linear()")
     for _, m in list(_kvcache.attached(model)):
         _kvcache.detach(m)
+    _fold.unfold_all(model)
     for name in names:
         _set_module(model, name, model.get_submodule(name).to_linear())  # type: ignore[operator]
     return model
