@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from _reload import assert_reloads
 
 from lowprec import UsageError
 from lowprec import inference as I
@@ -133,13 +134,8 @@ def test_checkpoint_carries_k_and_v_scales(tmp_path: Any) -> None:
         for name in ("k_scale", "v_scale"):
             t = tensors[f"model.layers.{i}.self_attn.{name}"]
             assert t.shape == (1,) and t.dtype == torch.float32 and torch.equal(t, getattr(_attn(model, i), name))
-    state, back = I.load_quantized(path)
-    assert back == scheme
-    fresh = I.quantize_model(_llama(), scheme, data[:1])  # other scales, replaced by the checkpoint's
-    fresh.load_state_dict(state, strict=True)
     x = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        assert torch.equal(fresh(input_ids=x).logits, model(input_ids=x).logits)
+    assert_reloads(path, scheme, I.quantize_model(_llama(), scheme, data[:1]), model, x)  # other scales at first
 
 
 def test_unquantize_removes_the_kv_quantizer() -> None:
