@@ -6,6 +6,9 @@
 * ``shard_model(model, recipe)``: ``fully_shard`` with the recipe's ``MixedPrecisionPolicy`` and optional
   low-precision weight all-gather (fp8 / MX codes and scales); ``sync_amax_histories`` keeps delayed scaling
   identical on every rank.
+* ``simulate_reduction(world, algorithm=..., payload=..., accumulate=...)``: the exact result of all-reducing
+  ``world`` ranks' gradients (ring, tree, recursive halving, all-to-all, gradient accumulation) for up to 10^6
+  ranks on one machine, against the float64 sum and the rounding-error analysis (``docs/reductions.md``).
 
 Runs launched with ``lowprec run`` (``parallel.strategy = "ddp" | "fsdp2"``) use these for you.
 """
@@ -20,16 +23,24 @@ from ._fsdp import amax_histories as amax_histories
 from ._fsdp import mixed_precision_policy as mixed_precision_policy
 from ._fsdp import shard_model as shard_model
 from ._fsdp import sync_amax_histories as sync_amax_histories
+from ._simulate import ReductionResult as ReductionResult
+from ._simulate import gaussian_gradients as gaussian_gradients
+from ._simulate import predicted_rel_l2 as predicted_rel_l2
+from ._simulate import simulate_reduction as simulate_reduction
 
 __all__ = [
     "CompressState",
+    "ReductionResult",
     "allgather_bytes",
     "allgather_stats",
     "amax_histories",
     "compress_allreduce_hook",
     "compress_hook",
+    "gaussian_gradients",
     "mixed_precision_policy",
+    "predicted_rel_l2",
     "rounding_seed",
     "shard_model",
+    "simulate_reduction",
     "sync_amax_histories",
 ]
