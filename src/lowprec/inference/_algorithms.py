@@ -307,20 +307,8 @@ def awq_weight(weight: torch.Tensor, s: torch.Tensor, ts: TensorScheme) -> torch
 def awq_search(weight: torch.Tensor, stats: LayerStats, ts: TensorScheme, n_grid: int = 20
                ) -> tuple[torch.Tensor, float, list[float]]:
     """AWQ's ``(s, a, errors)``: the chosen per-input-channel float32 scale, its exponent and the mean squared
-    output error of every grid point (module docstring)."""
-    assert stats.gram is not None and stats.abs_sum is not None
-    abs_mean = stats.abs_sum / max(stats.tokens, 1)
-    w = weight.detach().double()
-    n = w.shape[0]
-    errors: list[float] = []
-    scales: list[torch.Tensor] = []
-    for a in awq_grid(n_grid):
-        s = awq_channel_scale(abs_mean, a)
-        d = (awq_weight(weight, s, ts) / s).double() - w
-        errors.append(float(((d @ stats.gram) * d).sum()) / (max(stats.tokens, 1) * n))
-        scales.append(s)
-    best = min(range(len(errors)), key=lambda i: (errors[i], i))
-    return scales[best], awq_grid(n_grid)[best], errors
+    output error of every grid point (module docstring): ``awq_search_group`` of the one layer."""
+    return awq_search_group([weight], stats, [ts], n_grid)
 
 
 def awq_search_group(weights: list[torch.Tensor], stats: LayerStats, schemes: list[TensorScheme], n_grid: int = 20

@@ -336,10 +336,8 @@ def _weight_aware(model: nn.Module, entries: list[_plan.PlanEntry], calibration_
         lin, st, ts, act = layers[e.name], stats[e.name], e.weights, e.input_activations
         w = lin.weight.detach()
         smooth = qw = wscale = wzp = folded = None
-        if folding:
-            folded = shared.get(e.name)  # layers not reading a norm are not smoothed (round to nearest)
-            if folded is not None and ts is not None and algorithm == "awq":
-                qw = _algorithms.awq_weight(w, folded, ts)
+        if folding:  # weight = Q(W diag(folded)) (QuantizedLinear); layers reading no norm: round to nearest
+            folded = shared.get(e.name)
         elif algorithm == "smoothquant":
             smooth = _algorithms.smoothquant_scale(st.amax, w, options["alpha"])  # type: ignore[arg-type]
         elif ts is not None and algorithm == "gptq":
