@@ -108,6 +108,11 @@ MIN_PREFIX = 4
 BUSY_TIMEOUT_MS = 5_000  # one wait inside SQLite for the write lock ...
 WRITE_DEADLINE_S = 120.0  # ... retried with back-off until this deadline
 _RUN_ID = re.compile(r"[0-9a-f]{12}")
+DURABLE_EVENTS = ("spike", "rollback", "skip", "rerun", "sdc")
+"""Event kinds that ``reopen_run`` keeps past its step: the reliability ledger (``lowprec.reliability``) records
+what happened on a timeline that a rollback or resume abandons (a spike, the rollback, the batches to skip, a
+rerun's diagnosis, a silent-data-corruption finding); the resumed run reads the skip ledger back to skip the same
+batches, and the judge and report show every entry."""
 CHECKSUM_VERSION = 2
 """The schema version that added checksums and attempts: runs written before it are "unverified"."""
 UNVERIFIED = (f"written before the store had checksums (store schema version {CHECKSUM_VERSION}); "
@@ -1020,7 +1025,8 @@ class RunStore:
             raise type(e)(f"{e}; the run's {status} status with its reason could not be recorded: {error}") from e
 
     def reopen_run(self, run_id: str, *, from_step: int) -> None:
-        """Resume: status back to "running" owned by this process; scalars and events after ``from_step`` deleted.
+        """Resume: status back to "running" owned by this process; scalars and events after ``from_step`` deleted
+        (but for the ``DURABLE_EVENTS``, the reliability ledger).
         The run gets a new attempt, claimed by this object: an earlier writer of the run stops at its next write."""
         from_step = _check_step("from_step", from_step)
         host, pid, pid_start = self._owner()
@@ -1032,7 +1038,9 @@ class RunStore:
             self._rewrite_run(c, rid, status="running", finished_at=None, error=None, hostname=host, pid=pid,
                               pid_start=pid_start)
             n_s = c.execute("DELETE FROM scalars WHERE run_id = ? AND step > ?", (rid, from_step)).rowcount
-            n_e = c.execute("DELETE FROM events WHERE run_id = ? AND step > ?", (rid, from_step)).rowcount
+            marks = ", ".join("?" * len(DURABLE_EVENTS))
+            n_e = c.execute(f"DELETE FROM events WHERE run_id = ? AND step > ? AND kind NOT IN ({marks})",
+                            (rid, from_step, *DURABLE_EVENTS)).rowcount
             c.execute("UPDATE run_heads SET attempt = ?, n_scalars = n_scalars - ?, n_events = n_events - ? "
                       "WHERE run_id = ?", (attempt, n_s, n_e, rid))
             return rid
