@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 # import name -> (distribution, the extra that must declare it)
 OPTIONAL = {"jax": ("jax", "jax"), "optax": ("optax", "jax"), "tensorboard": ("tensorboard", "tensorboard"),
-            "mlflow": ("mlflow-skinny", "mlflow"), "transformers": ("transformers", "transformers")}
+            "mlflow": ("mlflow-skinny", "mlflow"), "transformers": ("transformers", "transformers"),
+            "psycopg": ("psycopg", "postgresql")}
 _IMPORT = re.compile(r"^(\s*)(?:import|from) (\w+)\b", re.M)
 
 

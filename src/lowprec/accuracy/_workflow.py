@@ -35,7 +35,7 @@ def baseline_from_runs(store: RunStore, name: str, selectors: Sequence[str], *, 
     Nothing trains.  The criteria are fixed now, before any candidate is seen.  ``left_out``: a list that gets one
     line per run ``latest`` dropped (an older run of a seed recorded twice), as ``select_runs`` gives it."""
     if name in store.list_baselines() and not overwrite:
-        raise UsageError(f"baseline {name!r} already exists in {store.path}; pass --overwrite to replace it")
+        raise UsageError(f"baseline {name!r} already exists in {store.where}; pass --overwrite to replace it")
     runs = select_runs(store, selectors, latest=latest, left_out=left_out)
     if criteria is not None:
         check_criteria_metrics(criteria, runs[0].manifest.get("metrics") or {}, model=str(runs[0].config.get(

@@ -39,7 +39,7 @@ def _probe(args: argparse.Namespace, store: Any, cal: Calibrated, table: list[An
 
     if cal.config is None:
         raise UsageError("the training probe needs the run config of the calibration run")
-    config = dataclasses.replace(cal.config, store=str(store.path))
+    config = dataclasses.replace(cal.config, store=store.location)
     if config.parallel.strategy != "single":
         config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, strategy="single",
                                                                            world_size=1, mesh_shape=None))
@@ -79,7 +79,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, Calibrated]:
                                                                            world_size=1, mesh_shape=None))
     store = open_store(store_path(args, config))
     seed = args.seed if args.seed is not None else config.seeds[0]
-    cal = calibrate(dataclasses.replace(config, store=str(store.path)), store=store, seed=seed,
+    cal = calibrate(dataclasses.replace(config, store=store.location), store=store, seed=seed,
                     steps=args.calib_steps, progress=not args.quiet)
     return store, cal
 

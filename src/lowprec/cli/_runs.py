@@ -96,8 +96,8 @@ def config_with_overrides(args: argparse.Namespace, *, apply_seeds: bool = True)
 def _resume_command(run_id: str, store: Any) -> str:
     """The command that continues ``run_id``: ``--store`` is named unless it is where a bare command looks."""
     default = os.environ.get("LOWPREC_STORE") or DEFAULT_STORE
-    same = os.path.abspath(default) == os.path.abspath(str(store.path))
-    return f"lowprec run --resume {run_id}" + ("" if same else f" --store {shlex.quote(str(store.path))}")
+    same = default == store.location or (store.path is not None and os.path.abspath(default) == str(store.path))
+    return f"lowprec run --resume {run_id}" + ("" if same else f" --store {shlex.quote(store.where)}")
 
 
 def _is_interrupt(e: BaseException) -> bool:
@@ -212,7 +212,7 @@ def _run_line(rec: Any, store: Any) -> str:
         sc = store.scalars(rec.run_id)
     except StoreCorrupt:
         return (_list_prefix(rec, "CORRUPT", "-") + "stored values do not match their checksums: "
-                f"lowprec store check --store {store.path}")
+                f"lowprec store check --store {shlex.quote(store.where)}")
     evals = "  ".join(f"{k[5:]} {_last(sc, k)}" for k in sorted(sc) if k.startswith("eval/"))
     steps = int(sc["train/loss"][0][-1]) if "train/loss" in sc and len(sc["train/loss"][0]) else 0
     return _list_prefix(rec, rec.status, str(steps)) + (evals or "-")
@@ -232,7 +232,7 @@ def cmd_runs_list(args: argparse.Namespace) -> int:
                 line = _run_line(store.get_run(rec.run_id), store)  # verified record; _run_line flags bad scalars
             except StoreCorrupt:
                 line = (_list_prefix(rec, "CORRUPT", "-") + "its record does not match its checksum: "
-                        f"lowprec store check --store {store.path}")
+                        f"lowprec store check --store {shlex.quote(store.where)}")
             print(line)
     return 0
 
@@ -330,9 +330,9 @@ def cmd_runs_delete(args: argparse.Namespace) -> int:
                 raise UsageError(f"run {rec.run_id} ({rec.name}) is a seed run of baseline {names}; delete the "
                                  f"baseline first (lowprec baselines delete NAME) or pass --force to delete the run "
                                  "anyway (the baseline keeps its summary, its over-time charts lose this run)")
-        files = {rid: [p for p in (checkpoint_dir(store.path, rid), store.path.parent / "launch" / f"{rid}.json")
+        files = {rid: [p for p in (checkpoint_dir(store, rid), store.files_dir / "launch" / f"{rid}.json")
                        if p.exists()] for rid in records}
-        print(f"{'deleting' if args.yes else 'would delete'} {len(records)} run(s) from {store.path}:")
+        print(f"{'deleting' if args.yes else 'would delete'} {len(records)} run(s) from {store.where}:")
         for rid, rec in records.items():
             when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(rec.created_at))
             print(f"  {rid}  {rec.status:<9} created {when}  {rec.name}"

@@ -3,8 +3,9 @@
 File layout: one header line ``lowprec-checkpoint v1 <sha256 hex of the payload>\\n`` followed by the payload, a
 ``torch.save`` of the state dict.  A truncated or altered file fails the checksum and is reported, never loaded.
 Checkpoints of a run live in ``<store dir>/checkpoints/<run id>/step-<NNNNNNNN>.ckpt``, next to the store file
-that holds the run (never where the working directory or the run's saved config points); the newest ``keep`` are
-kept.  The payload is read with ``torch.load(weights_only=True)``, which unpickles only tensors and plain
+that holds the run (never where the working directory or the run's saved config points), or for a PostgreSQL
+store in its files folder (``RunStore.files_dir``: ``$LOWPREC_FILES_DIR``, else ``./lowprec-runs``); the newest
+``keep`` are kept.  The payload is read with ``torch.load(weights_only=True)``, which unpickles only tensors and plain
 containers, so a planted file cannot run code; which checkpoints a run may resume from at all is decided by
 ``_resume`` (the store records the digest of every checkpoint a run writes).
 """
@@ -29,15 +30,18 @@ _PARTIAL = re.compile(r"^(\.step-\d{8}\.ckpt\..+\.tmp|step-\d{8}\.dcp\.tmp)$")
 _RUN_ID = re.compile(r"[0-9a-f]{12}")
 
 
-def checkpoint_dir(store_path: str | Path, run_id: str) -> Path:
-    """Where the checkpoints of ``run_id`` go: ``checkpoints/<run id>/`` in the folder of the store file.
+def checkpoint_dir(store: Any, run_id: str) -> Path:
+    """Where the checkpoints of ``run_id`` go: ``checkpoints/<run id>/`` in the store's ``files_dir`` (a
+    ``RunStore``: the folder of its SQLite file, or the folder a PostgreSQL store keeps its files in), or in the
+    folder of ``store`` given as the path of a store file.
 
     ``run_id`` must be a run id (12 lowercase hex characters): an id read from an altered store, such as
     ``../..`` or ``/abs/path``, would otherwise put checkpoints outside the store's folder."""
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise UsageError(f"run id {run_id!r} is not a lowprec run id (12 lowercase hex characters); the run store "
                          "may have been altered")
-    return Path(store_path).parent / "checkpoints" / run_id
+    files_dir = getattr(store, "files_dir", None)
+    return Path(files_dir if files_dir is not None else Path(store).parent) / "checkpoints" / run_id
 
 
 def clean_partial(directory: Path) -> list[Path]:

@@ -196,7 +196,7 @@ def _unpack(packed: dict[str, Any], like: TrainState, where: str) -> TrainState:
 def _save(r: ResolvedConfig, run_id: str, step: int, tree: TrainState, store: RunStore) -> None:
     state = {"framework": "jax", "run_id": run_id, "step": step, "config": r.config.to_dict(), "world_size": 1,
              "jax_state": _pack(tree)}
-    path = save_checkpoint(checkpoint_dir(store.path, run_id), step, state, keep=r.checkpoint_keep)
+    path = save_checkpoint(checkpoint_dir(store, run_id), step, state, keep=r.checkpoint_keep)
     record_checkpoint(store, run_id, step, "file", checkpoint_digest(path))
 
 
@@ -225,7 +225,7 @@ def _restore(life: RunLifecycle, run_id: str, like: TrainState, *, allow_restart
                              f"run {run_id!r} step {c.step}")
         return _unpack(state["jax_state"], like, where)
 
-    point = choose(store, record, checkpoint_dir(store.path, run_id), usable, allow_restart=allow_restart)
+    point = choose(store, record, checkpoint_dir(store, run_id), usable, allow_restart=allow_restart)
     warn_resume(run_id, point.problems, point.discarded)
     step, tree = (point.step, point.loaded) if point.candidate is not None else (0, like)
     life.resumed(run_id, step, world_size=1, checkpoint_world_size=1 if step else None,

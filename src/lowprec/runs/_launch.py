@@ -37,7 +37,7 @@ from .._errors import UsageError
 from ._atomic import atomic_write_text
 from ._config import RunConfig
 from ._parallel import resolve_backend
-from ._store import _RUN_ID, RunRecord, RunStore, StoreCorrupt, StoreError
+from ._store import _RUN_ID, FILES_ENV, RunRecord, RunStore, StoreCorrupt, StoreError
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals this parent forwards to torchrun's process group."""
@@ -84,16 +84,18 @@ def launch(config: RunConfig, *, seed: int, batch_size: int, store: RunStore, re
     if resume is not None and not _RUN_ID.fullmatch(resume):
         raise UsageError(f"resume must be a full run id (12 lowercase hex characters), got {resume!r}")
     run_id = resume or uuid.uuid4().hex[:12]
-    cfg_path = store.path.parent / "launch" / f"{run_id}.json"  # next to the store, whatever the cwd
+    cfg_path = store.files_dir / "launch" / f"{run_id}.json"  # next to the store, whatever the cwd
     atomic_write_text(cfg_path, json.dumps(worker_config(config), indent=2))
     p = config.parallel
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={p.world_size}", "--nnodes=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
            f"--max-restarts={p.max_restarts}", "-m", "lowprec.train", str(cfg_path), "--seed", str(seed),
-           "--run-id", run_id, "--store", str(store.path)] + (["--quiet"] if quiet else []) + (
+           "--run-id", run_id, "--store", store.location] + (["--quiet"] if quiet else []) + (
                ["--allow-restart"] if allow_restart else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(config.threads or os.environ.get("OMP_NUM_THREADS", "1")))
     env.pop(CONFIG_DIR_ENV, None)
+    if store.path is None:  # a PostgreSQL store: the workers keep checkpoints in this store's files folder
+        env[FILES_ENV] = str(store.files_dir)
     if config.config_dir:
         env[CONFIG_DIR_ENV] = config.config_dir
     rc, received = run_torchrun(cmd, env)

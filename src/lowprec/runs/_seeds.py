@@ -31,7 +31,7 @@ def train_baseline(config: RunConfig, *, name: str, store: RunStore, seeds: int 
     if len(chosen) < 2:
         raise UsageError(f"a baseline needs at least 2 seeds (it measures seed-to-seed noise); got {list(chosen)}")
     if name in store.list_baselines() and not overwrite:
-        raise UsageError(f"baseline {name!r} already exists in {store.path}; pass --overwrite to replace it")
+        raise UsageError(f"baseline {name!r} already exists in {store.where}; pass --overwrite to replace it")
     if criteria is not None:  # before any training: the task says which metrics its runs will record
         check_criteria_metrics(criteria, build_task(config, chosen[0]).metrics, model=config.model)
     cfg = dataclasses.replace(config, seeds=chosen, group=baseline_group(name),

@@ -1,4 +1,5 @@
-"""The run store: every run's config, manifest, per-step scalars, events and the named baselines, in one SQLite file.
+"""The run store: every run's config, manifest, per-step scalars, events and the named baselines, in one SQLite file
+(or one PostgreSQL database, for a store every node and CI machine writes: see "PostgreSQL" below).
 
 Why SQLite in WAL mode.  A training run appends a few scalars per step while a second process (another run, or
 ``lowprec runs list``) reads or writes the same file.  In write-ahead-log mode a commit appends the changed pages
@@ -62,6 +63,14 @@ stale writer fails at its next write instead of mixing its steps into the new at
 launcher marking the run failed) always go through; a non-owner's ``finish_run`` also revokes the current attempt,
 so a writer group that outlives its launcher cannot complete a run the launcher declared failed.
 
+PostgreSQL.  ``RunStore("postgresql://USER@HOST:PORT/DATABASE")`` (or ``postgres://``) keeps the same tables,
+migration versions, checksums (a run copied between the backends verifies identically), fencing, counts and
+errors in a database on a server (``_store_pg``: its types, its row locks for concurrent writers, its
+durability); every path is an SQLite file.  This module holds every rule of the store; ``_store_sqlite`` and
+``_store_pg`` only connect, migrate, run transactions and translate errors (``_store_base``).  What an SQLite store
+keeps next to its file (checkpoints, launch configs), a PostgreSQL store keeps in ``files_dir``.  ``dump_run`` and
+``load_run`` move a run between stores exactly (``lowprec store copy``, ``_store_copy``).
+
 Opening.  ``RunStore(path, create=False)`` refuses a missing file (reading commands: a mistyped ``--store`` must
 not silently create an empty store).  A store whose file or folder is not writable (read-only media, another
 user's archive) is opened read-only (``mode=ro``; ``immutable=1`` when no ``-shm`` can be created and no
@@ -80,11 +89,9 @@ import numbers
 import os
 import re
 import socket
-import sqlite3
 import struct
 import threading
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -97,16 +104,28 @@ from .._errors import UsageError
 from .._types import FINAL_STATUSES as FINAL_STATUSES  # re-exported: callers name them from the store
 from .._types import STATUSES as STATUSES
 from .._types import FinalStatus, RunStatus
+from . import _store_pg
+from ._store_base import BUSY_TIMEOUT_MS as BUSY_TIMEOUT_MS
+from ._store_base import WRITE_DEADLINE_S as WRITE_DEADLINE_S
+from ._store_base import Backend, Conn, NoSuchRun, corrupt_hint
+from ._store_base import RunTakenOver as RunTakenOver
+from ._store_base import StoreCorrupt as StoreCorrupt
+from ._store_base import StoreError as StoreError
+from ._store_sqlite import _V1 as _V1  # the SQLite schema's statements (tests build old stores from them)
+from ._store_sqlite import _V2 as _V2
+from ._store_sqlite import _V3 as _V3
+from ._store_sqlite import MIGRATIONS as MIGRATIONS
+from ._store_sqlite import SQLiteBackend
 
-__all__ = ["DEFAULT_PATH", "MIGRATIONS", "BaselineCheck", "RunCheck", "RunRecord", "RunStore", "RunTakenOver",
-           "StoreCheck", "StoreCorrupt", "StoreError"]
+__all__ = ["DEFAULT_PATH", "MIGRATIONS", "BaselineCheck", "RunCheck", "RunDump", "RunRecord", "RunStore",
+           "RunTakenOver", "StoreCheck", "StoreCorrupt", "StoreError"]
 
 T = TypeVar("T")
 
 DEFAULT_PATH = Path("lowprec-runs") / "runs.db"
 MIN_PREFIX = 4
-BUSY_TIMEOUT_MS = 5_000  # one wait inside SQLite for the write lock ...
-WRITE_DEADLINE_S = 120.0  # ... retried with back-off until this deadline
+FILES_ENV = "LOWPREC_FILES_DIR"
+"""Where a PostgreSQL store's files (checkpoints, launch configs) go, when ``files_dir`` is not given."""
 _RUN_ID = re.compile(r"[0-9a-f]{12}")
 DURABLE_EVENTS = ("spike", "rollback", "skip", "rerun", "sdc")
 """Event kinds that ``reopen_run`` keeps past its step: the reliability ledger (``lowprec.reliability``) records
@@ -117,105 +136,6 @@ CHECKSUM_VERSION = 2
 """The schema version that added checksums and attempts: runs written before it are "unverified"."""
 UNVERIFIED = (f"written before the store had checksums (store schema version {CHECKSUM_VERSION}); "
               "`lowprec store check --seal` records them")
-
-# MIGRATIONS[i] takes the schema from version i to version i + 1 (a tuple of statements, run in one transaction).
-_V1 = (
-    """CREATE TABLE runs (
-        run_id      TEXT PRIMARY KEY,
-        name        TEXT NOT NULL,
-        grp         TEXT,
-        status      TEXT NOT NULL CHECK (status IN ('running', 'completed', 'failed')),
-        created_at  REAL NOT NULL,
-        finished_at REAL,
-        config      TEXT NOT NULL,  -- JSON
-        manifest    TEXT NOT NULL,  -- JSON
-        error       TEXT,
-        hostname    TEXT NOT NULL,  -- host, pid and pid start time of the writing process (dead-process rule)
-        pid         INTEGER NOT NULL,
-        pid_start   TEXT
-    )""",
-    "CREATE INDEX runs_by_created ON runs (created_at)",
-    "CREATE INDEX runs_by_group ON runs (grp)",
-    """CREATE TABLE scalars (
-        run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
-        step   INTEGER NOT NULL,
-        key    TEXT NOT NULL,
-        value  REAL,  -- NULL stores NaN (SQLite has no NaN)
-        PRIMARY KEY (run_id, key, step)
-    ) WITHOUT ROWID""",
-    """CREATE TABLE events (
-        event_id   INTEGER PRIMARY KEY AUTOINCREMENT,
-        run_id     TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
-        step       INTEGER NOT NULL,
-        kind       TEXT NOT NULL,
-        payload    TEXT NOT NULL,  -- JSON
-        created_at REAL NOT NULL
-    )""",
-    "CREATE INDEX events_by_run ON events (run_id, step)",
-    """CREATE TABLE baselines (
-        name       TEXT PRIMARY KEY,
-        payload    TEXT NOT NULL,  -- JSON
-        created_at REAL NOT NULL,
-        updated_at REAL NOT NULL
-    )""",
-)
-# Version 2: per-row checksums (NULL in rows written before it), and per run the writer's attempt and row counts.
-# ADD COLUMN rewrites nothing, so migrating a large store is instant.
-_V2 = (
-    "ALTER TABLE runs ADD COLUMN checksum INTEGER",
-    "ALTER TABLE scalars ADD COLUMN checksum INTEGER",
-    "ALTER TABLE events ADD COLUMN checksum INTEGER",
-    "ALTER TABLE baselines ADD COLUMN checksum INTEGER",
-    """CREATE TABLE run_heads (
-        run_id    TEXT PRIMARY KEY REFERENCES runs (run_id) ON DELETE CASCADE,
-        attempt   TEXT NOT NULL,     -- the current writer group's claim (fencing)
-        n_scalars INTEGER NOT NULL,  -- rows of the run in scalars / events (a lost row is seen)
-        n_events  INTEGER NOT NULL
-    ) WITHOUT ROWID""",
-)
-# Version 3: status "diverged" (a run that stopped at a non-finite loss or gradient norm).  SQLite cannot alter a
-# CHECK constraint, so the runs table is rebuilt: a new table, every row copied as it is (rowid included, so the
-# order of runs created in the same instant stays; the checksums cover the values, which do not change), the old
-# table dropped and the new one renamed.  ``_migrate`` turns foreign keys off around the migration transaction
-# (SQLite's documented procedure): dropping the old table must not cascade to scalars, events and run_heads, whose
-# references then name the new table.
-_V3 = (
-    """CREATE TABLE runs_v3 (
-        run_id      TEXT PRIMARY KEY,
-        name        TEXT NOT NULL,
-        grp         TEXT,
-        status      TEXT NOT NULL CHECK (status IN ('running', 'completed', 'diverged', 'failed')),
-        created_at  REAL NOT NULL,
-        finished_at REAL,
-        config      TEXT NOT NULL,  -- JSON
-        manifest    TEXT NOT NULL,  -- JSON
-        error       TEXT,
-        hostname    TEXT NOT NULL,  -- host, pid and pid start time of the writing process (dead-process rule)
-        pid         INTEGER NOT NULL,
-        pid_start   TEXT,
-        checksum    INTEGER
-    )""",
-    "INSERT INTO runs_v3 (rowid, run_id, name, grp, status, created_at, finished_at, config, manifest, error, "
-    "hostname, pid, pid_start, checksum) SELECT rowid, run_id, name, grp, status, created_at, finished_at, config, "
-    "manifest, error, hostname, pid, pid_start, checksum FROM runs",
-    "DROP TABLE runs",
-    "ALTER TABLE runs_v3 RENAME TO runs",
-    "CREATE INDEX runs_by_created ON runs (created_at)",
-    "CREATE INDEX runs_by_group ON runs (grp)",
-)
-MIGRATIONS: list[tuple[str, ...]] = [_V1, _V2, _V3]
-
-
-class StoreError(UsageError):
-    """The run store cannot do what was asked: unreadable/corrupt file, unwritable path, unknown run id, ..."""
-
-
-class StoreCorrupt(StoreError):
-    """What is stored does not match its checksums (or SQLite finds the file malformed): refused, never misread."""
-
-
-class RunTakenOver(StoreError):
-    """Another attempt now owns the run (it was resumed, or marked finished, elsewhere): this writer must stop."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +153,16 @@ class RunRecord:
     error: str | None  # why it failed
     hostname: str | None = None  # host of the process that last wrote the run
     pid: int | None = None  # pid of that process
+
+
+@dataclass(frozen=True)
+class RunDump:
+    """One run exactly as stored (``RunStore.dump_run``, ``load_run``): what ``lowprec store copy`` moves."""
+
+    row: tuple[Any, ...]  # the runs row: run id, name, group, status, times, config, manifest, error, owner
+    checksum: int  # of ``row`` (the same in every store)
+    scalars: tuple[tuple[int, str, float | None], ...]  # (step, key, value; None for NaN), by key then step
+    events: tuple[tuple[int, str, str, float], ...]  # (step, kind, payload JSON, created_at), in stored order
 
 
 @dataclass(frozen=True)
@@ -268,12 +198,13 @@ class BaselineCheck:
 
 @dataclass(frozen=True)
 class StoreCheck:
-    """``RunStore.check()``: SQLite's structural checks plus every run's and baseline's checksums."""
+    """``RunStore.check()``: the database's structural checks plus every run's and baseline's checksums."""
 
-    path: Path
-    problems: tuple[str, ...]  # store-wide: integrity_check and foreign_key_check findings
+    path: Path | str  # the store's file, or its URL without the password
+    problems: tuple[str, ...]  # store-wide: SQLite's integrity_check and foreign_key_check findings
     runs: tuple[RunCheck, ...] = ()
     baselines: tuple[BaselineCheck, ...] = ()
+    backend: str = "SQLite"
 
     @property
     def ok(self) -> bool:
@@ -282,15 +213,15 @@ class StoreCheck:
                 and all(b.state != "corrupt" for b in self.baselines))
 
     def lines(self) -> list[str]:
-        out = [f"store {self.path}: " + ("SQLite integrity ok" if not self.problems else
-                                         "SQLITE INTEGRITY: " + "; ".join(self.problems))]
+        out = [f"store {self.path}: " + (f"{self.backend} integrity ok" if not self.problems else
+                                         f"{self.backend.upper()} INTEGRITY: " + "; ".join(self.problems))]
         out += [r.line() for r in self.runs]
         out += [b.line() for b in self.baselines]
         n_bad = sum(r.state == "corrupt" for r in self.runs) + sum(b.state == "corrupt" for b in self.baselines)
         n_unv = sum(r.state == "unverified" for r in self.runs) + sum(b.state == "unverified" for b in self.baselines)
         verdict = "clean" if self.ok else "CORRUPT"
         out.append(f"{verdict}: {len(self.runs)} runs, {len(self.baselines)} baselines, {n_bad} corrupt, "
-                   f"{n_unv} unverified" + ("" if not self.problems else ", SQLite integrity problems"))
+                   f"{n_unv} unverified" + ("" if not self.problems else f", {self.backend} integrity problems"))
         return out
 
 
@@ -358,29 +289,6 @@ def baseline_checksum(name: str, payload: str) -> int:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------------
-
-def _cannot_write(path: Path, why: str) -> str:
-    return f"cannot write the run store at {path}: {why}; pass --store PATH or fix permissions"
-
-
-def _not_a_store(path: Path, why: str) -> str:
-    return f"{path} is not a lowprec run store ({why}); move it away or pass --store"
-
-
-def _missing(path: Path) -> str:
-    return (f"no run store at {path} (the file does not exist): check --store, $LOWPREC_STORE or the config's "
-            "`store`; `lowprec run` and `lowprec baseline` create a store, reading commands do not")
-
-
-def _corrupt_hint(path: Path) -> str:
-    return (f"the store file was changed outside lowprec or is damaged; `lowprec store check --store {path}` "
-            "lists what is wrong")
-
-
-def _is_busy(e: sqlite3.Error) -> bool:
-    msg = str(e).lower()
-    return "locked" in msg or "busy" in msg
-
 
 def _proc_stat(pid: int) -> tuple[str, str] | None:
     """(state, start time in clock ticks since boot) of a Linux process, or None where /proc cannot tell."""
@@ -518,227 +426,113 @@ def _event_problems(run_id: str, rows: Sequence[tuple[int, int, str, str, float,
 
 
 class RunStore:
-    """Runs, their per-step scalars and events, and named baselines, in one SQLite file (see the module docstring).
+    """Runs, their per-step scalars and events, and named baselines, in one SQLite file or one PostgreSQL database
+    (see the module docstring).
 
+    ``location`` is a path (SQLite) or a ``postgresql://`` / ``postgres://`` URL (PostgreSQL, ``_store_pg``).
     Write methods (``log_scalars``, ``log_rows``, ``add_event``) take the full run id; the others also accept a
     unique prefix of at least 4 characters.  Safe to share between threads; after ``fork`` the child opens its
     own connection.  Use as a context manager or call ``close()``.
 
-    ``create=False`` refuses a path with no store (instead of creating an empty one there).  A store that cannot
-    be written (read-only file, folder or media) is opened read-only: ``read_only`` is then the reason, and
-    writes raise ``StoreError``.
+    ``create=False`` refuses a path with no store, or a database without the store's tables (instead of creating
+    an empty store there).  An SQLite store that cannot be written (read-only file, folder or media) is opened
+    read-only: ``read_only`` is then the reason, and writes raise ``StoreError``.
+
+    ``files_dir`` is the folder for the files that belong to the store's runs (checkpoints, launch configs): for
+    SQLite always the store file's folder; for PostgreSQL ``files_dir``, else ``$LOWPREC_FILES_DIR``, else
+    ``./lowprec-runs`` (the folder of the default SQLite store), made absolute when the store is opened.
     """
 
-    def __init__(self, path: str | os.PathLike[str] = DEFAULT_PATH, *,
-                 synchronous: Literal["full", "normal"] = "normal", create: bool = True) -> None:
+    def __init__(self, location: str | os.PathLike[str] = DEFAULT_PATH, *,
+                 synchronous: Literal["full", "normal"] = "normal", create: bool = True,
+                 files_dir: str | os.PathLike[str] | None = None) -> None:
         if synchronous not in ("full", "normal"):
             raise UsageError(f"synchronous must be 'full' or 'normal', got {synchronous!r}")
-        self.path = Path(os.path.abspath(os.fspath(path)))
         self.synchronous = synchronous
         self.create = create
-        self.read_only: str | None = None
-        """None, or why the store was opened read-only."""
-        self._schema = len(MIGRATIONS)
+        text = os.fspath(location)
+        self._backend: Backend
+        if isinstance(text, str) and _store_pg.is_url(text):
+            self.path: Path | None = None
+            """The store's file (SQLite); None for PostgreSQL."""
+            self.location = text
+            """What reopens this store: the file's absolute path, or the URL as given."""
+            self.files_dir = Path(os.path.abspath(files_dir or os.environ.get(FILES_ENV) or DEFAULT_PATH.parent))
+            self._backend = _store_pg.PostgresBackend(text, synchronous=synchronous, create=create)
+        else:
+            self.path = Path(os.path.abspath(text))
+            self.location = str(self.path)
+            self.files_dir = self.path.parent
+            self._backend = SQLiteBackend(self.path, synchronous=synchronous, create=create)
+        self.where = self._backend.where
+        """What messages name: the file, or the URL without its password."""
         self._lock = threading.RLock()
         self._hostname = socket.gethostname()
-        self._abandoned: list[sqlite3.Connection] = []  # connections inherited across fork: never touched again
-        self._conn: sqlite3.Connection | None = None
+        self._abandoned: list[Conn] = []  # connections inherited across fork: never touched again
+        self._conn: Conn | None = None
         self._pid = os.getpid()
         self._closed = False
         self._claims: dict[str, str] = {}  # run id -> the attempt this object created or reopened it with
         self._conn = self._open()
 
+    @property
+    def backend(self) -> str:
+        """"SQLite" or "PostgreSQL"."""
+        return self._backend.name
+
+    @property
+    def read_only(self) -> str | None:
+        """None, or why the store was opened read-only."""
+        return self._backend.read_only
+
+    @property
+    def _schema(self) -> int:
+        return self._backend.schema
+
     # -- connection, errors, transactions ------------------------------------------------------------------------
 
-    def _why_read_only(self) -> str | None:
-        """None when the store can be written in WAL mode, else why not (the file, or its folder, is read-only)."""
-        path, parent = self.path, self.path.parent
-        if not os.access(path, os.W_OK):
-            return f"{path} is not writable"
-        if os.access(parent, os.W_OK | os.X_OK):
-            return None
-        wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
-        if all(p.exists() and os.access(p, os.W_OK) for p in (wal, shm)):
-            return None  # WAL files exist and are writable: nothing needs to be created in the folder
-        return f"its folder {parent} is not writable"
+    def _open(self) -> Conn:
+        return self._backend.connect(MIGRATIONS if self.path is not None else _store_pg.MIGRATIONS)
 
-    def _open(self) -> sqlite3.Connection:
-        path = self.path
-        if path.is_dir():
-            raise StoreError(_cannot_write(path, "it is a directory"))
-        if not path.exists():
-            if not self.create:
-                raise StoreError(_missing(path))
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise StoreError(_cannot_write(path, f"cannot create {path.parent}: {e.strerror or e}")) from e
-        else:
-            self.read_only = self._why_read_only()
-        try:
-            conn = self._connect_read_only() if self.read_only else sqlite3.connect(
-                path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as e:
-            raise self._translate(e) from e
-        try:
-            self._configure(conn)
-            self._migrate(conn)
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    def _connect_read_only(self) -> sqlite3.Connection:
-        """``mode=ro``; where no ``-shm`` exists and none can be created (read-only media), ``immutable=1``, which
-        is exact only when no write-ahead log is pending (else refused: the log's commits would be ignored)."""
-        path = self.path
-        uri = "file:" + urllib.parse.quote(str(path))
-        shm, wal = Path(f"{path}-shm"), Path(f"{path}-wal")
-        immutable = not shm.exists() and not os.access(path.parent, os.W_OK | os.X_OK)
-        if immutable and wal.exists() and wal.stat().st_size > 0:
-            raise StoreError(f"cannot read the run store at {path}: it is on read-only storage with a pending "
-                             f"write-ahead log ({wal.name}) but no {shm.name}; copy the folder to writable storage "
-                             "and open the copy")
-        uri += "?mode=ro&immutable=1" if immutable else "?mode=ro"
-        return sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-                               check_same_thread=False)
-
-    def _configure(self, conn: sqlite3.Connection) -> None:
-        def pragmas(c: sqlite3.Connection) -> str:
-            c.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            c.execute("PRAGMA foreign_keys = ON")
-            if self.read_only:
-                return "wal"
-            mode = c.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            c.execute(f"PRAGMA synchronous = {self.synchronous.upper()}")
-            return str(mode)
-
-        mode = self._retry(conn, pragmas, transaction=False)
-        if mode.lower() != "wal":
-            raise StoreError(_cannot_write(self.path, f"SQLite refused WAL journal mode (got {mode!r}); "
-                                                      "network file systems cannot hold a run store"))
-
-    def _migrate(self, conn: sqlite3.Connection) -> None:
-        latest = len(MIGRATIONS)
-
-        def version(c: sqlite3.Connection) -> int:
-            tables = {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if "schema_version" not in tables:
-                if tables - {"sqlite_sequence"}:
-                    raise StoreError(_not_a_store(self.path, "it is an SQLite database with other tables"))
-                return 0
-            v = c.execute("SELECT MAX(version) FROM schema_version").fetchone()[0]
-            if v is not None and v > latest:
-                raise StoreError(f"the run store at {self.path} was written by a newer lowprec (schema version {v}; "
-                                 f"this lowprec reads up to version {latest}); upgrade lowprec "
-                                 "(pip install -U lowprec) to read it")
-            return int(v or 0)
-
-        current = self._retry(conn, version, transaction=False)
-        if current == latest:
-            self._schema = latest
-            return
-        if self.read_only:  # read an older schema as it is: nothing can be migrated here
-            if current == 0:
-                raise StoreError(_not_a_store(self.path, f"it is empty, and read-only ({self.read_only})"))
-            self._schema = current
-            return
-
-        def migrate(c: sqlite3.Connection) -> None:
-            current = version(c)  # again, under the write lock: another process may have migrated meanwhile
-            c.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL, applied_at REAL NOT NULL)")
-            for v in range(current, latest):
-                for statement in MIGRATIONS[v]:
-                    c.execute(statement)
-                c.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (v + 1, time.time()))
-
-        # off outside the transaction (SQLite ignores the pragma inside one): a migration that rebuilds a table
-        # (version 3) must not cascade the old table's DROP to the rows that reference it
-        self._retry(conn, lambda c: c.execute("PRAGMA foreign_keys = OFF"), transaction=False)
-        try:
-            self._retry(conn, migrate, transaction=True)
-        finally:
-            self._retry(conn, lambda c: c.execute("PRAGMA foreign_keys = ON"), transaction=False)
-        self._schema = latest
-
-    def _translate(self, e: sqlite3.Error) -> StoreError:
-        msg = str(e)
-        low = msg.lower()
-        if _is_busy(e):
-            return StoreError(f"the run store at {self.path} stayed locked by another process for more than "
-                              f"{WRITE_DEADLINE_S:.0f} s ({msg})")
-        if ("not a database" in low or "malformed" in low or "file is encrypted" in low
-                or "could not decode" in low):
-            return StoreCorrupt(_not_a_store(self.path, msg))
-        if "full" in low:
-            return StoreError(_cannot_write(self.path, f"the disk is full ({msg})"))
-        if self.read_only and ("readonly" in low or "read-only" in low):
-            return StoreError(f"the run store at {self.path} is read-only ({self.read_only}): it cannot record "
-                              f"anything ({msg}); copy it to writable storage or fix permissions")
-        if "unable to open" in low or "readonly" in low or "read-only" in low or "disk i/o" in low:
-            return StoreError(_cannot_write(self.path, msg))
-        return StoreError(f"run store at {self.path}: {msg}")
-
-    def _retry(self, conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], *,
-               transaction: bool | Literal["read"]) -> T:
-        """Run ``fn`` (inside ``BEGIN IMMEDIATE ... COMMIT`` when ``transaction``, ``BEGIN DEFERRED ... COMMIT``
-        when "read": one consistent snapshot), retrying while the db is busy."""
-        deadline = time.monotonic() + WRITE_DEADLINE_S
-        delay = 0.002
-        while True:
-            try:
-                if not transaction:
-                    return fn(conn)
-                conn.execute("BEGIN" if transaction == "read" else "BEGIN IMMEDIATE")
-                try:
-                    result = fn(conn)
-                    conn.execute("COMMIT")
-                    return result
-                except BaseException:
-                    if conn.in_transaction:
-                        try:
-                            conn.execute("ROLLBACK")
-                        except sqlite3.Error:
-                            pass
-                    raise
-            except sqlite3.Error as e:
-                if isinstance(e, sqlite3.OperationalError) and _is_busy(e) and time.monotonic() < deadline:
-                    time.sleep(delay)
-                    delay = min(2 * delay, 0.1)
-                    continue
-                raise self._translate(e) from e
-            except UnicodeDecodeError as e:  # SQLite's message quotes a damaged schema's bytes, which Python cannot
-                raise StoreCorrupt(_not_a_store(self.path, f"malformed database schema ({e})")) from e
-
-    def _connection(self) -> sqlite3.Connection:
+    def _connection(self) -> Conn:
         if self._closed:
-            raise StoreError(f"the run store at {self.path} is closed")
-        if self._pid != os.getpid():  # forked: an SQLite connection must not cross fork, open our own
+            raise StoreError(f"the run store at {self.where} is closed")
+        if self._pid != os.getpid():  # forked: a connection must not cross fork, open our own
             if self._conn is not None:
                 self._abandoned.append(self._conn)
             self._conn = None
             self._pid = os.getpid()
+        if self._conn is not None and not self._backend.usable(self._conn):  # a lost server connection
+            self._abandoned.append(self._conn)
+            self._conn = None
         if self._conn is None:
             self._conn = self._open()
         return self._conn
 
-    def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _write(self, fn: Callable[[Conn], T]) -> T:
         with self._lock:
             conn = self._connection()
             if self.read_only:
-                raise StoreError(f"the run store at {self.path} was opened read-only ({self.read_only}): it "
+                raise StoreError(f"the run store at {self.where} was opened read-only ({self.read_only}): it "
                                  "cannot record anything; copy it to writable storage or fix permissions")
-            return self._retry(conn, fn, transaction=True)
+            return self._backend.transact(conn, fn, transaction=True)
 
-    def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _read(self, fn: Callable[[Conn], T]) -> T:
         with self._lock:
-            return self._retry(self._connection(), fn, transaction="read")
+            return self._backend.transact(self._connection(), fn, transaction="read")
+
+    def _write_run(self, run_id: str, fn: Callable[[Conn], T]) -> T:
+        """``_write`` for rows of one run: a missing run is a StoreError naming the recent runs."""
+        try:
+            return self._write(fn)
+        except NoSuchRun:
+            raise self._read(lambda c: self._unknown_run(c, run_id)) from None
 
     def close(self) -> None:
         """Close the connection (idempotent); later calls raise StoreError."""
         with self._lock:
             if self._conn is not None and self._pid == os.getpid():
-                self._conn.close()
+                self._backend.close(self._conn)
             self._conn = None
             self._closed = True
 
@@ -748,11 +542,12 @@ class RunStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __reduce__(self) -> tuple[Any, ...]:  # pickles (e.g. to a spawned process) as "open the same file"
-        return (_reopen, (str(self.path), self.synchronous, self.create))
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (e.g. to a spawned process) as "open the same store"
+        return (_reopen, (self.location, self.synchronous, self.create,
+                          None if self.path is not None else str(self.files_dir)))
 
     def __repr__(self) -> str:
-        return f"RunStore({str(self.path)!r})"
+        return f"RunStore({self.where!r})"
 
     # -- schema-dependent SQL ------------------------------------------------------------------------------------
 
@@ -793,45 +588,51 @@ class RunStore:
         host, pid, pid_start = self._owner()
         attempt = _new_attempt()
 
-        def insert(c: sqlite3.Connection) -> str:
+        def insert(c: Conn) -> str:
             for _ in range(100):
                 rid = run_id or uuid.uuid4().hex[:12]
-                if c.execute("SELECT 1 FROM runs WHERE run_id = ?", (rid,)).fetchone() is None:
-                    row = (rid, name, group, "running", time.time(), None, config_json, manifest_json, None, host,
-                           pid, pid_start)
-                    c.execute(f"INSERT INTO runs ({self._COLUMNS}, checksum) VALUES "
-                              "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, run_checksum(row)))
-                    c.execute("INSERT INTO run_heads (run_id, attempt, n_scalars, n_events) VALUES (?, ?, 0, 0)",
-                              (rid, attempt))
+                row = (rid, name, group, "running", time.time(), None, config_json, manifest_json, None, host, pid,
+                       pid_start)
+                if self._insert_run(c, row, run_checksum(row), attempt):
                     return rid
                 if run_id is not None:
-                    raise StoreError(f"run id {run_id!r} already exists in {self.path}; pass another run_id")
-            raise StoreError(f"could not draw an unused run id in {self.path}")  # pragma: no cover
+                    raise StoreError(f"run id {run_id!r} already exists in {self.where}; pass another run_id")
+            raise StoreError(f"could not draw an unused run id in {self.where}")  # pragma: no cover
 
         with self._lock:
             rid = self._write(insert)
             self._claims[rid] = attempt
         return rid
 
-    def _unknown_run(self, c: sqlite3.Connection, ident: str) -> StoreError:
+    def _insert_run(self, c: Conn, row: Sequence[Any], checksum: int, attempt: str, n_scalars: int = 0,
+                    n_events: int = 0) -> bool:
+        """Insert a runs row (``_COLUMNS`` order) and its head; False, inserting nothing, when the id is taken."""
+        if c.execute(f"INSERT INTO runs ({self._COLUMNS}, checksum) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                     "ON CONFLICT DO NOTHING", (*row, checksum)).rowcount != 1:
+            return False
+        c.execute("INSERT INTO run_heads (run_id, attempt, n_scalars, n_events) VALUES (?, ?, ?, ?)",
+                  (row[0], attempt, n_scalars, n_events))
+        return True
+
+    def _unknown_run(self, c: Conn, ident: str) -> StoreError:
         recent = c.execute("SELECT run_id, name FROM runs ORDER BY created_at DESC, rowid DESC LIMIT 5").fetchall()
         hint = ("; recent runs: " + ", ".join(f"{r} ({n})" for r, n in recent)) if recent else "; it has no runs yet"
-        return StoreError(f"no run with id {ident!r} in {self.path}{hint}")
+        return StoreError(f"no run with id {ident!r} in {self.where}{hint}")
 
-    def _bad_id(self, c: sqlite3.Connection | None, run_id: Any) -> StoreCorrupt:
+    def _bad_id(self, c: Conn | None, run_id: Any) -> StoreCorrupt:
         rowid = None
         if c is not None:
             try:
                 found = c.execute("SELECT rowid, name FROM runs WHERE run_id = ?", (run_id,)).fetchone()
                 rowid = found and f"row {found[0]}, name {found[1]!r}"
-            except sqlite3.Error:
+            except self._backend.error:
                 pass
         where = f" ({rowid})" if rowid else ""
-        return StoreCorrupt(f"the run store at {self.path} holds a run with an invalid id {run_id!r}{where}: a run "
+        return StoreCorrupt(f"the run store at {self.where} holds a run with an invalid id {run_id!r}{where}: a run "
                             "id is 12 lowercase hex characters, and lowprec never wrote this one (it would be used as "
-                            f"a file name); {_corrupt_hint(self.path)}")
+                            f"a file name); {corrupt_hint(self.where)}")
 
-    def _resolve(self, c: sqlite3.Connection, ident: str) -> str:
+    def _resolve(self, c: Conn, ident: str) -> str:
         if not isinstance(ident, str):
             raise UsageError(f"run id must be a string, got {ident!r}")
         p = ident.strip().lower()
@@ -854,7 +655,7 @@ class RunStore:
             raise self._bad_id(c, found)
         return found
 
-    def _record(self, row: Sequence[Any], *, verify: bool = True, c: sqlite3.Connection | None = None) -> RunRecord:
+    def _record(self, row: Sequence[Any], *, verify: bool = True, c: Conn | None = None) -> RunRecord:
         """A RunRecord from a ``_runs_sql`` row (the columns, checksum, has-head); the id is always validated,
         the checksum when ``verify``."""
         (run_id, name, grp, status, created, finished, config, manifest, error, host, pid, pid_start,
@@ -864,7 +665,7 @@ class RunStore:
         if verify:
             problems = self._record_problems(row)
             if problems:
-                raise StoreCorrupt(f"run {run_id} in {self.path}: {'; '.join(problems)}; {_corrupt_hint(self.path)}")
+                raise StoreCorrupt(f"run {run_id} in {self.where}: {'; '.join(problems)}; {corrupt_hint(self.where)}")
         if (status == "running" and host == self._hostname and isinstance(pid, int)
                 and not _process_alive(pid, pid_start if isinstance(pid_start, str) else None)):
             status, error = "failed", f"process {pid} ended without finishing the run"
@@ -874,7 +675,7 @@ class RunStore:
                              manifest=_loads(f"run {run_id}'s manifest", manifest), error=error, hostname=host,
                              pid=pid)
         except StoreCorrupt as e:
-            raise StoreCorrupt(f"{e} in {self.path}; {_corrupt_hint(self.path)}") from None
+            raise StoreCorrupt(f"{e} in {self.where}; {corrupt_hint(self.where)}") from None
 
     @staticmethod
     def _record_problems(row: Sequence[Any]) -> list[str]:
@@ -891,7 +692,7 @@ class RunStore:
         return [] if ok else ["its record (name, group, status, times, config, manifest, error, owner) does not "
                               "match its checksum"]
 
-    def _head(self, c: sqlite3.Connection, rid: str) -> _Head:
+    def _head(self, c: Conn, rid: str) -> _Head:
         if not self._checksummed:
             return _Head(sealed=False, n_scalars=None, n_events=None)
         row = c.execute("SELECT r.checksum, h.n_scalars, h.n_events, h.run_id IS NOT NULL FROM runs r "
@@ -907,7 +708,7 @@ class RunStore:
         """The run with this id or unique id prefix (>= 4 chars); StoreError naming candidates otherwise.  With
         ``verify`` (the default) its record is checked against its checksum (``StoreCorrupt``)."""
 
-        def get(c: sqlite3.Connection) -> RunRecord:
+        def get(c: Conn) -> RunRecord:
             rid = self._resolve(c, run_id_or_prefix)
             return self._record(c.execute(self._runs_sql() + " WHERE r.run_id = ?", (rid,)).fetchone(),
                                 verify=verify, c=c)
@@ -924,7 +725,7 @@ class RunStore:
         if group is not None:
             sql, args = sql + " WHERE r.grp = ?", (group,)
 
-        def fetch(c: sqlite3.Connection) -> list[RunRecord]:
+        def fetch(c: Conn) -> list[RunRecord]:
             rows = c.execute(sql + " ORDER BY r.created_at DESC, r.rowid DESC", args).fetchall()
             return [self._record(r, verify=verify, c=c) for r in rows]
 
@@ -936,14 +737,14 @@ class RunStore:
         return RunTakenOver(f"run {rid} was taken over by another attempt (this writer's attempt {mine}, the store's "
                             f"{theirs}: another process resumed the run or marked it finished); this writer stops")
 
-    def _seal(self, c: sqlite3.Connection, rid: str) -> None:
+    def _seal(self, c: Conn, rid: str) -> None:
         """Give an unsealed run (written before checksums) its checksums and head, from its rows as they are."""
         row = c.execute(f"SELECT {self._COLUMNS}, checksum FROM runs WHERE run_id = ?", (rid,)).fetchone()
         if row is None:
             raise self._unknown_run(c, rid)
         if row[12] is not None:
-            raise StoreCorrupt(f"run {rid} in {self.path}: its checksum head (row counts and attempt) is missing; "
-                               f"{_corrupt_hint(self.path)}")
+            raise StoreCorrupt(f"run {rid} in {self.where}: its checksum head (row counts and attempt) is missing; "
+                               f"{corrupt_hint(self.where)}")
         c.execute("UPDATE runs SET checksum = ? WHERE run_id = ?", (run_checksum(row[:12]), rid))
         todo = c.execute("SELECT step, key, value FROM scalars WHERE run_id = ? AND checksum IS NULL",
                          (rid,)).fetchall()
@@ -958,9 +759,10 @@ class RunStore:
         c.execute("INSERT INTO run_heads (run_id, attempt, n_scalars, n_events) VALUES (?, ?, ?, ?)",
                   (rid, _new_attempt(), n_s, n_e))
 
-    def _claimed_head(self, c: sqlite3.Connection, rid: str) -> str:
+    def _claimed_head(self, c: Conn, rid: str) -> str:
         """The run's current attempt, after sealing an unsealed run; RunTakenOver when this object claimed the
-        run and the claim is no longer current."""
+        run and the claim is no longer current.  Locks the run's head first (PostgreSQL: one writer per run)."""
+        self._backend.lock_run(c, rid)
         head = c.execute("SELECT attempt FROM run_heads WHERE run_id = ?", (rid,)).fetchone()
         if head is None:
             self._seal(c, rid)
@@ -970,7 +772,7 @@ class RunStore:
             raise self._taken_over(rid, mine, head[0])
         return str(head[0])
 
-    def _count(self, c: sqlite3.Connection, rid: str, *, scalars: int = 0, events: int = 0) -> None:
+    def _count(self, c: Conn, rid: str, *, scalars: int = 0, events: int = 0) -> None:
         """Add new rows to the run's counts, fenced: one UPDATE that matches only while this object's claim (if
         it has one) is current; sealing an unsealed run on its first write."""
         mine = self._claims.get(rid)
@@ -987,7 +789,7 @@ class RunStore:
         if mine is not None:
             raise self._taken_over(rid, mine, None)
 
-    def _rewrite_run(self, c: sqlite3.Connection, rid: str, **changes: Any) -> None:
+    def _rewrite_run(self, c: Conn, rid: str, **changes: Any) -> None:
         """UPDATE columns of a runs row and its checksum."""
         row = dict(zip(self._COLUMNS.split(", "),
                        c.execute(f"SELECT {self._COLUMNS} FROM runs WHERE run_id = ?", (rid,)).fetchone(),
@@ -1010,7 +812,7 @@ class RunStore:
         if error is not None and not isinstance(error, str):
             raise UsageError(f"error must be a string or None, got {error!r}")
 
-        def finish(c: sqlite3.Connection) -> None:
+        def finish(c: Conn) -> None:
             rid = self._resolve(c, run_id)
             current = self._claimed_head(c, rid)
             attempt = current if rid in self._claims else _new_attempt()
@@ -1032,7 +834,7 @@ class RunStore:
         host, pid, pid_start = self._owner()
         attempt = _new_attempt()
 
-        def reopen(c: sqlite3.Connection) -> str:
+        def reopen(c: Conn) -> str:
             rid = self._resolve(c, run_id)
             self._claimed_head(c, rid)
             self._rewrite_run(c, rid, status="running", finished_at=None, error=None, hostname=host, pid=pid,
@@ -1056,19 +858,24 @@ class RunStore:
         checkpoints, its launch config) are the caller's: ``lowprec runs delete`` removes them.  Whether the run
         is still being written, or a baseline is built from it, is the caller's to check first."""
 
-        def delete(c: sqlite3.Connection) -> tuple[str, int, int]:
+        def delete(c: Conn) -> tuple[str, int, int]:
             rid = self._resolve(c, run_id)
-            n_s = c.execute("DELETE FROM scalars WHERE run_id = ?", (rid,)).rowcount
-            n_e = c.execute("DELETE FROM events WHERE run_id = ?", (rid,)).rowcount
-            if self._checksummed:
-                c.execute("DELETE FROM run_heads WHERE run_id = ?", (rid,))
-            c.execute("DELETE FROM runs WHERE run_id = ?", (rid,))
-            return rid, n_s, n_e
+            return (rid, *self._delete_rows(c, rid))
 
         with self._lock:
             out = self._write(delete)
             self._claims.pop(out[0], None)
         return out
+
+    def _delete_rows(self, c: Conn, rid: str) -> tuple[int, int]:
+        """Delete a run's rows (inside a write transaction); returns (scalar rows, events) deleted."""
+        self._backend.lock_run(c, rid)
+        n_s = c.execute("DELETE FROM scalars WHERE run_id = ?", (rid,)).rowcount
+        n_e = c.execute("DELETE FROM events WHERE run_id = ?", (rid,)).rowcount
+        if self._checksummed:
+            c.execute("DELETE FROM run_heads WHERE run_id = ?", (rid,))
+        c.execute("DELETE FROM runs WHERE run_id = ?", (rid,))
+        return n_s, n_e
 
     # -- scalars and events --------------------------------------------------------------------------------------
 
@@ -1089,18 +896,16 @@ class RunStore:
         if not batch:
             return
 
-        def insert(c: sqlite3.Connection) -> None:
-            try:
-                new = c.executemany("INSERT OR IGNORE INTO scalars (run_id, step, key, value, checksum) "
-                                    "VALUES (?, ?, ?, ?, ?)", batch).rowcount
-            except sqlite3.IntegrityError as e:
-                raise self._unknown_run(c, run_id) from e
+        def insert(c: Conn) -> None:
+            self._backend.lock_run(c, run_id)
+            new = c.executemany("INSERT INTO scalars (run_id, step, key, value, checksum) VALUES (?, ?, ?, ?, ?) "
+                                "ON CONFLICT DO NOTHING", batch).rowcount
             if new < len(batch):  # some (key, step) existed: replace them, in order
                 c.executemany("UPDATE scalars SET value = ?, checksum = ? WHERE run_id = ? AND key = ? AND step = ?",
                               [(v, h, r, k, s) for r, s, k, v, h in batch])
             self._count(c, run_id, scalars=new)
 
-        self._write(insert)
+        self._write_run(run_id, insert)
 
     def add_event(self, run_id: str, *, step: int, kind: str, payload: dict) -> None:
         """Record an event (e.g. ``kind="nonfinite"``) at ``step`` with a JSON-able payload."""
@@ -1109,39 +914,39 @@ class RunStore:
         _check_text("kind", kind)
         payload_json = _dumps("payload", payload)
 
-        def insert(c: sqlite3.Connection) -> None:
-            now = time.time()
-            try:
-                eid = c.execute("INSERT INTO events (run_id, step, kind, payload, created_at) VALUES (?, ?, ?, ?, ?)",
-                                (run_id, step, kind, payload_json, now)).lastrowid
-            except sqlite3.IntegrityError as e:
-                raise self._unknown_run(c, run_id) from e
-            assert eid is not None
-            c.execute("UPDATE events SET checksum = ? WHERE event_id = ?",
-                      (event_checksum(eid, run_id, step, kind, payload_json, now), eid))
+        def insert(c: Conn) -> None:
+            self._backend.lock_run(c, run_id)
+            self._insert_event(c, run_id, step, kind, payload_json, time.time())
             self._count(c, run_id, events=1)
 
-        self._write(insert)
+        self._write_run(run_id, insert)
 
-    def _fetch_scalars(self, c: sqlite3.Connection, rid: str) -> list[tuple[str, int, float | None, int | None]]:
+    @staticmethod
+    def _insert_event(c: Conn, rid: str, step: int, kind: str, payload: str, created_at: float) -> None:
+        eid = c.execute("INSERT INTO events (run_id, step, kind, payload, created_at) VALUES (?, ?, ?, ?, ?) "
+                        "RETURNING event_id", (rid, step, kind, payload, created_at)).fetchall()[0][0]
+        c.execute("UPDATE events SET checksum = ? WHERE event_id = ?",
+                  (event_checksum(eid, rid, step, kind, payload, created_at), eid))
+
+    def _fetch_scalars(self, c: Conn, rid: str) -> list[tuple[str, int, float | None, int | None]]:
         return c.execute(f"SELECT key, step, value, {self._col('checksum')} FROM scalars WHERE run_id = ? "
                          "ORDER BY key, step", (rid,)).fetchall()
 
-    def _fetch_events(self, c: sqlite3.Connection, rid: str) -> list[tuple[int, int, str, str, float, int | None]]:
+    def _fetch_events(self, c: Conn, rid: str) -> list[tuple[int, int, str, str, float, int | None]]:
         return c.execute(f"SELECT event_id, step, kind, payload, created_at, {self._col('checksum')} FROM events "
                          "WHERE run_id = ? ORDER BY step, event_id", (rid,)).fetchall()
 
     def _refuse(self, rid: str, problems: list[str]) -> None:
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-            raise StoreCorrupt(f"run {rid} in {self.path} does not match its checksums: {shown}; "
-                               f"{_corrupt_hint(self.path)}")
+            raise StoreCorrupt(f"run {rid} in {self.where} does not match its checksums: {shown}; "
+                               f"{corrupt_hint(self.where)}")
 
     def scalars(self, run_id: str, *, verify: bool = True) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """key -> (steps int64, values float64), steps ascending; NaN where NaN was logged.  With ``verify`` (the
         default) every row is checked against its checksum and the run's row count (``StoreCorrupt``)."""
 
-        def fetch(c: sqlite3.Connection) -> tuple[str, list[Any], _Head | None]:
+        def fetch(c: Conn) -> tuple[str, list[Any], _Head | None]:
             rid = self._resolve(c, run_id)
             return rid, self._fetch_scalars(c, rid), (self._head(c, rid) if verify else None)
 
@@ -1159,7 +964,7 @@ class RunStore:
         """Events in step order: ``{"step": int, "kind": str, "payload": dict}``, optionally of one kind only.
         With ``verify`` (the default) every event of the run is checked against its checksum and the count."""
 
-        def fetch(c: sqlite3.Connection) -> tuple[str, list[Any], _Head | None]:
+        def fetch(c: Conn) -> tuple[str, list[Any], _Head | None]:
             rid = self._resolve(c, run_id)
             return rid, self._fetch_events(c, rid), (self._head(c, rid) if verify else None)
 
@@ -1173,16 +978,57 @@ class RunStore:
         """Check one run (its record, every scalar and event row, the row counts) against its checksums; never
         raises for what it finds (an unknown id still raises StoreError)."""
 
-        def fetch(c: sqlite3.Connection) -> tuple[Any, ...]:
-            rid = self._resolve(c, run_id)
-            row = c.execute(self._runs_sql() + " WHERE r.run_id = ?", (rid,)).fetchone()
-            return rid, row, self._head(c, rid), self._fetch_scalars(c, rid), self._fetch_events(c, rid)
-
         try:
-            rid, row, head, scalars, events = self._read(fetch)
+            rid, row, head, scalars, events = self._read(lambda c: self._fetch_run(c, run_id))
         except StoreCorrupt as e:
             return RunCheck(run_id=str(run_id), name=None, state="corrupt", problems=(str(e),))
         return self._judge_run(rid, row, head, scalars, events)
+
+    def _fetch_run(self, c: Conn, run_id: str) -> tuple[str, Any, _Head, list[Any], list[Any]]:
+        """Everything stored of one run, in one read: id, ``_runs_sql`` row, head, scalar rows, event rows."""
+        rid = self._resolve(c, run_id)
+        row = c.execute(self._runs_sql() + " WHERE r.run_id = ?", (rid,)).fetchone()
+        return rid, row, self._head(c, rid), self._fetch_scalars(c, rid), self._fetch_events(c, rid)
+
+    # -- copying runs between stores (``lowprec store copy``) ----------------------------------------------------
+
+    def dump_run(self, run_id: str) -> RunDump:
+        """Everything stored of one run (id or unique prefix), verified against its checksums (``StoreCorrupt``);
+        a run written before the store had checksums is refused (seal it first: it could not be verified)."""
+        rid, row, head, scalars, events = self._read(lambda c: self._fetch_run(c, run_id))
+        verdict = self._judge_run(rid, row, head, scalars, events)
+        if verdict.state == "corrupt":
+            self._refuse(rid, list(verdict.problems))
+        if verdict.state == "unverified":
+            raise StoreError(f"run {rid} in {self.where} is {UNVERIFIED}: it cannot be verified, so it is not "
+                             f"copied; `lowprec store check --seal --store {self.where}` seals it first")
+        return RunDump(row=tuple(row[:12]), checksum=int(row[12]), scalars=tuple((s, k, v) for k, s, v, _ in scalars),
+                       events=tuple((s, k, p, t) for _, s, k, p, t, _ in events))
+
+    def load_run(self, dump: RunDump, *, replace: bool = False) -> None:
+        """Store ``dump`` (from ``dump_run`` of any store) as it is, in one transaction: the same record and
+        checksum, scalars and events (events get this store's ids, and checksums over them).  StoreError when the
+        run id exists, unless ``replace`` (the stored run is deleted first, in the same transaction)."""
+        rid = _check_run_id(dump.row[0])
+        if run_checksum(dump.row) != dump.checksum:
+            raise StoreCorrupt(f"run {rid}: its record does not match its checksum; not stored in {self.where}")
+        scalars = [(rid, s, k, v, scalar_checksum(rid, s, k, v)) for s, k, v in dump.scalars]
+
+        def load(c: Conn) -> None:
+            if c.execute("SELECT 1 FROM runs WHERE run_id = ?", (rid,)).fetchone() is not None:
+                if not replace:
+                    raise StoreError(f"run {rid} already exists in {self.where}; pass --overwrite to replace it "
+                                     "(or --skip-existing)")
+                self._delete_rows(c, rid)
+            if not self._insert_run(c, dump.row, dump.checksum, _new_attempt(), len(scalars), len(dump.events)):
+                raise StoreError(f"run {rid} was created in {self.where} meanwhile; copy it again")  # pragma: no cover
+            c.executemany("INSERT INTO scalars (run_id, step, key, value, checksum) VALUES (?, ?, ?, ?, ?)", scalars)
+            for step, kind, payload, created in dump.events:
+                self._insert_event(c, rid, step, kind, payload, created)
+
+        with self._lock:
+            self._write(load)
+            self._claims.pop(rid, None)
 
     def _judge_run(self, rid: str, row: Sequence[Any], head: _Head, scalars: list[Any],
                    events: list[Any]) -> RunCheck:
@@ -1207,17 +1053,8 @@ class RunStore:
         of every baseline.  What is found is reported, never raised (see ``StoreCheck.ok``)."""
         problems: list[str] = []
 
-        def structure(c: sqlite3.Connection) -> None:
-            found = [str(r[0]) for r in c.execute("PRAGMA integrity_check(100)")]
-            if found != ["ok"]:
-                problems.extend(found)
-            orphans: dict[str, int] = {}
-            for table, *_ in c.execute("PRAGMA foreign_key_check"):
-                orphans[table] = orphans.get(table, 0) + 1
-            problems.extend(f"{n} rows of table {t} belong to no run" for t, n in sorted(orphans.items()))
-
         try:
-            self._read(structure)
+            problems.extend(self._read(self._backend.structure_problems))
         except StoreError as e:
             problems.append(str(e))
         runs: list[RunCheck] = []
@@ -1225,7 +1062,7 @@ class RunStore:
             ids = self._read(lambda c: [(r[0], r[1]) for r in
                                         c.execute("SELECT run_id, rowid FROM runs ORDER BY created_at, rowid")])
         except StoreError as e:
-            return StoreCheck(path=self.path, problems=(*problems, str(e)))
+            return StoreCheck(path=self.path or self.where, problems=(*problems, str(e)), backend=self.backend)
         for rid, rowid in ids:
             if not isinstance(rid, str) or not _RUN_ID.fullmatch(rid):
                 runs.append(RunCheck(run_id=repr(rid), name=None, state="corrupt",
@@ -1235,8 +1072,8 @@ class RunStore:
                 runs.append(self.verify_run(rid))
             except Exception as e:  # a damaged file can break any read: report it, never crash the check
                 runs.append(RunCheck(run_id=rid, name=None, state="corrupt", problems=(f"{type(e).__name__}: {e}",)))
-        return StoreCheck(path=self.path, problems=tuple(problems), runs=tuple(runs),
-                          baselines=tuple(self._check_baselines()))
+        return StoreCheck(path=self.path or self.where, problems=tuple(problems), runs=tuple(runs),
+                          baselines=tuple(self._check_baselines()), backend=self.backend)
 
     def _check_baselines(self) -> list[BaselineCheck]:
         try:
@@ -1276,7 +1113,7 @@ class RunStore:
         for rid in ids:
             self._write(functools.partial(self._seal, rid=rid))
 
-        def baselines(c: sqlite3.Connection) -> int:
+        def baselines(c: Conn) -> int:
             rows = c.execute("SELECT name, payload FROM baselines WHERE checksum IS NULL").fetchall()
             c.executemany("UPDATE baselines SET checksum = ? WHERE name = ?",
                           [(baseline_checksum(n, p), n) for n, p in rows])
@@ -1292,16 +1129,16 @@ class RunStore:
         payload_json = _dumps("baseline payload", payload)
         checksum = baseline_checksum(name, payload_json)
 
-        def save(c: sqlite3.Connection) -> None:
+        def save(c: Conn) -> None:
             now = time.time()
-            if c.execute("SELECT 1 FROM baselines WHERE name = ?", (name,)).fetchone() is None:
-                c.execute("INSERT INTO baselines (name, payload, created_at, updated_at, checksum) "
-                          "VALUES (?, ?, ?, ?, ?)", (name, payload_json, now, now, checksum))
-            elif overwrite:
+            if c.execute("INSERT INTO baselines (name, payload, created_at, updated_at, checksum) VALUES "
+                         "(?, ?, ?, ?, ?) ON CONFLICT DO NOTHING", (name, payload_json, now, now, checksum)).rowcount:
+                return
+            if overwrite:
                 c.execute("UPDATE baselines SET payload = ?, updated_at = ?, checksum = ? WHERE name = ?",
                           (payload_json, now, checksum, name))
             else:
-                raise StoreError(f"baseline {name!r} already exists in {self.path}; pass overwrite=True "
+                raise StoreError(f"baseline {name!r} already exists in {self.where}; pass overwrite=True "
                                  "(--overwrite) to replace it, or choose another name")
 
         self._write(save)
@@ -1310,29 +1147,29 @@ class RunStore:
         """The baseline dict stored under ``name``; StoreError naming the known baselines when missing, and
         ``StoreCorrupt`` when ``verify`` finds that it does not match its checksum."""
 
-        def get(c: sqlite3.Connection) -> tuple[str, int | None]:
+        def get(c: Conn) -> tuple[str, int | None]:
             row = c.execute(f"SELECT payload, {self._col('checksum')} FROM baselines WHERE name = ?",
                             (name,)).fetchone()
             if row is None:
                 known = [r[0] for r in c.execute("SELECT name FROM baselines ORDER BY name")]
                 hint = f"known baselines: {', '.join(known)}" if known else "no baselines are saved there yet"
-                raise StoreError(f"no baseline named {name!r} in {self.path}; {hint}")
+                raise StoreError(f"no baseline named {name!r} in {self.where}; {hint}")
             return row[0], row[1]
 
         payload, checksum = self._read(get)
         problem = self._baseline_problem(name, payload, checksum) if verify else None
         if problem:
-            raise StoreCorrupt(f"baseline {name!r} in {self.path}: {problem}; {_corrupt_hint(self.path)}")
+            raise StoreCorrupt(f"baseline {name!r} in {self.where}: {problem}; {corrupt_hint(self.where)}")
         return dict(_loads(f"baseline {name!r}", payload))
 
     def delete_baseline(self, name: str) -> None:
         """Delete the baseline ``name`` (its seed runs stay); StoreError naming the known baselines when missing."""
 
-        def delete(c: sqlite3.Connection) -> None:
+        def delete(c: Conn) -> None:
             if c.execute("DELETE FROM baselines WHERE name = ?", (name,)).rowcount == 0:
                 known = [r[0] for r in c.execute("SELECT name FROM baselines ORDER BY name")]
                 hint = f"known baselines: {', '.join(known)}" if known else "no baselines are saved there yet"
-                raise StoreError(f"no baseline named {name!r} in {self.path}; {hint}")
+                raise StoreError(f"no baseline named {name!r} in {self.where}; {hint}")
 
         self._write(delete)
 
@@ -1341,5 +1178,6 @@ class RunStore:
         return self._read(lambda c: [r[0] for r in c.execute("SELECT name FROM baselines ORDER BY name")])
 
 
-def _reopen(path: str, synchronous: Literal["full", "normal"], create: bool = True) -> RunStore:
-    return RunStore(path, synchronous=synchronous, create=create)
+def _reopen(location: str, synchronous: Literal["full", "normal"], create: bool = True,
+            files_dir: str | None = None) -> RunStore:
+    return RunStore(location, synchronous=synchronous, create=create, files_dir=files_dir)

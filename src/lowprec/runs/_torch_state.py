@@ -86,7 +86,7 @@ def save_state(r: ResolvedConfig, run_id: str, st: State, store: RunStore) -> No
     """Single/DDP: rank 0 saves the full state (replicas are identical) in one checksummed file.  FSDP2/HSDP: every
     rank saves its shards with torch.distributed.checkpoint.  Either kind resumes on any world size and layout.
     The files go next to the store that holds the run, and rank 0 records each one's digest in it (``_resume``)."""
-    directory = checkpoint_dir(store.path, run_id)
+    directory = checkpoint_dir(store, run_id)
     extra = {"run_id": run_id, "step": st.step, "torch_rng": torch.get_rng_state(), "config": r.config.to_dict(),
              "world_size": st.world.size, "fallback": st.fallback.state_dict() if st.fallback is not None else None}
     if st.world.strategy in SHARDED:
@@ -173,7 +173,7 @@ def restore_state(life: RunLifecycle, run_id: str, st: State, *, allow_restart: 
     from ._dcp import load_sharded
 
     store = life.store
-    directory = checkpoint_dir(store.path, run_id)
+    directory = checkpoint_dir(store, run_id)
     picked: Any = None
     loaded: Any = None
     if st.world.is_main:

@@ -56,7 +56,7 @@ def load_trained(store: Any, run_id: str) -> Calibrated:
     config = RunConfig.from_dict(rec.config, where=f"run {rec.run_id}'s stored config")
     seed = int(rec.manifest["seed"])
     task = build_task(config, seed)
-    point = choose(store, rec, checkpoint_dir(store.path, rec.run_id), lambda c: load_checkpoint(c.path),
+    point = choose(store, rec, checkpoint_dir(store, rec.run_id), lambda c: load_checkpoint(c.path),
                    allow_restart=True, clean=False)  # resume's rules: only a checkpoint recorded for this run
     if point.candidate is None:
         raise UsageError(f"run {rec.run_id} has no usable checkpoint to load its model from"
