@@ -170,3 +170,31 @@ def tiny_input(*, seed: int, batch_size: int | None = None, scale: float = 2.0**
 
     return dataclasses.replace(task, name="tiny_input", train_batch=batch,
                                samples_per_step=task.samples_per_step * copies)
+
+
+@zoo.task
+def spike_at(*, seed: int, batch_size: int | None = None, step: int = 5, scale: float = 300.0) -> Task:
+    """mlp-digits whose batch ``step`` (0-based batch index) is scaled by ``scale``: a reproducible loss spike in
+    the data (skipping that batch removes it)."""
+    task = get_task("mlp-digits", seed=seed, batch_size=batch_size)
+
+    def batch(s: int) -> tuple[Any, torch.Tensor]:
+        x, y = task.train_batch(s)
+        return (x * scale, y) if s == step else (x, y)
+
+    return dataclasses.replace(task, name="spike_at", train_batch=batch)
+
+
+@zoo.task
+def spike_crash(*, seed: int, batch_size: int | None = None, step: int = 5, crash: int = 12,
+                marker: str = "") -> Task:
+    """``spike_at`` whose batch function also raises once at batch ``crash`` (see ``crash_at``)."""
+    task = spike_at(seed=seed, batch_size=batch_size, step=step)
+
+    def batch(s: int) -> tuple[Any, torch.Tensor]:
+        if s == crash and not Path(marker).exists():
+            Path(marker).write_text("failed once")
+            raise RuntimeError(f"injected failure at batch {s}")
+        return task.train_batch(s)
+
+    return dataclasses.replace(task, name="spike_crash", train_batch=batch)

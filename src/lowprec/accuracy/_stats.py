@@ -257,7 +257,7 @@ def find_spike(values: np.ndarray, *, window: int, factor: float, mad_k: float) 
         x = x[: bad[0]]
     need = min(window, 5)
     for i in range(need, min(window, x.size)):  # short history at the start
-        if _is_spike(x[i], x[:i], factor, mad_k):
+        if is_spike(x[i], x[:i], factor, mad_k):
             return i
     if x.size <= window:
         return None
@@ -270,7 +270,9 @@ def find_spike(values: np.ndarray, *, window: int, factor: float, mad_k: float) 
     return int(j[0]) + window if j.size else None
 
 
-def _is_spike(v: float, hist: np.ndarray, factor: float, mad_k: float) -> bool:
+def is_spike(v: float, hist: np.ndarray, factor: float, mad_k: float) -> bool:
+    """Whether ``v`` is a spike against the history ``hist`` (``find_spike``'s rule; also the training-time
+    detector's, ``lowprec.reliability``)."""
     med = float(np.median(hist))
     mad = float(np.median(np.abs(hist - med)))
     return bool(v - med > (factor - 1.0) * abs(med) and v - med > mad_k * 1.4826 * mad)

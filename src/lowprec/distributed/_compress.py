@@ -104,6 +104,17 @@ class CompressState:
         """Error feedback: ``id(parameter)`` -> float32 residual (parameter-keyed, so DDP's bucket rebuild after
         the first step keeps them)."""
 
+    def snapshot(self) -> tuple[Any, ...]:
+        """What a step changes here (counters, step, residuals: a shallow copy, since each step replaces the
+        residual tensors rather than writing into them), for ``restore``: rerunning a step must not advance it."""
+        return (self.step, self.bytes_sent, self.bytes_uncompressed, self.total_bytes_sent,
+                self.total_bytes_uncompressed, self.buckets, list(self._pending), dict(self.residuals))
+
+    def restore(self, saved: tuple[Any, ...]) -> None:
+        (self.step, self.bytes_sent, self.bytes_uncompressed, self.total_bytes_sent, self.total_bytes_uncompressed,
+         self.buckets, pending, residuals) = saved
+        self._pending, self.residuals = list(pending), dict(residuals)
+
     @property
     def compression_ratio(self) -> float:
         """``bytes_uncompressed / bytes_sent`` of the last completed step (0 before the first)."""

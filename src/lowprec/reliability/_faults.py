@@ -74,6 +74,10 @@ class Fault:
             raise UsageError(f"[[faults]]: unknown key(s) {unknown}; valid: {', '.join(sorted(names))}")
         return cls(**d)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The ``[[faults]]`` table of this fault (None rank left out: TOML has no null)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
     def active(self, step: int, rank: int) -> bool:
         """Whether this fault applies at ``step`` on ``rank``."""
         if self.rank is not None and self.rank != rank:
@@ -135,6 +139,7 @@ class FaultInjector:
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
         self._step: int | None = None
+        self._replay = False
         self._hooks = []
         for f in self.faults:
             if not isinstance(f, Fault):
@@ -164,7 +169,7 @@ class FaultInjector:
             if step is None or not isinstance(out, torch.Tensor):
                 return None
             todo = [f for f in self.faults if f.target == "activation" and f.tensor == name
-                    and f.active(step, self.rank)]
+                    and f.active(step, self.rank) and (f.persistent or not self._replay)]
             if not todo:
                 return None
             out = out.clone()
@@ -177,18 +182,24 @@ class FaultInjector:
             return out
         return hook
 
-    def before_forward(self, step: int) -> None:
-        """Apply this step's weight faults and arm its activation faults."""
+    def before_forward(self, step: int, *, replay: bool = False) -> None:
+        """Apply this step's weight faults and arm its activation faults.
+
+        ``replay``: the step is being computed again (a rerun, or this rank computing another rank's shard): a
+        transient fault does not happen again, a persistent one does (a faulty unit); weights are not altered
+        again (their memory still holds whatever the first computation of the step left there)."""
         self._step = step
+        self._replay = replay
         for f in self.faults:
-            if f.target == "weight" and f.active(step, self.rank):
+            if f.target == "weight" and f.active(step, self.rank) and not replay:
                 before, after = alter_bit(self._params[f.tensor].data, f.index, f.bit, f.mode)
                 self._record(f, step, before, after)
 
-    def after_backward(self, step: int) -> None:
-        """Apply this step's gradient faults (``param.grad`` must exist) and disarm the activation faults."""
+    def after_backward(self, step: int, *, replay: bool = False) -> None:
+        """Apply this step's gradient faults (``param.grad`` must exist) and disarm the activation faults;
+        ``replay`` as in ``before_forward``."""
         for f in self.faults:
-            if f.target == "grad" and f.active(step, self.rank):
+            if f.target == "grad" and f.active(step, self.rank) and (f.persistent or not replay):
                 g = self._params[f.tensor].grad
                 if g is None:
                     raise UsageError(f"fault on the gradient of {f.tensor!r} at step {step}: it has no .grad (call "

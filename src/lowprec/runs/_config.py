@@ -38,6 +38,8 @@ from .._errors import UsageError
 from .._parse import MAX_NESTING as MAX_NESTING  # re-exported: the limit config errors name
 from .._parse import parse_json, parse_toml, read_text_file
 from ..recipes import Recipe
+from ..reliability._config import ReliabilityConfig
+from ..reliability._faults import Fault
 
 DEFAULT_STORE = "lowprec-runs/runs.db"
 OptimizerName = Literal["adamw", "sgd"]
@@ -202,6 +204,7 @@ _TABLES: dict[str, type] = {
     "schedule": ScheduleConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
+    "reliability": ReliabilityConfig,
 }
 
 
@@ -231,6 +234,11 @@ class RunConfig:
     parallel: ParallelConfig = ParallelConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     stats: StatsConfig = StatsConfig()
+    reliability: ReliabilityConfig = ReliabilityConfig()
+    """Rejected-step reruns, spike rollback, silent-data-corruption checks (``lowprec.reliability._config``)."""
+    faults: tuple[Fault, ...] = ()
+    """``[[faults]]``: faults to inject (``lowprec.reliability.Fault``; ``step`` is the 1-based step number the
+    store records), to test that the checks catch them."""
     store: str = DEFAULT_STORE
     """Path of the SQLite run store (checkpoints go next to it, under ``checkpoints/<run id>/``)."""
     threads: int | None = None
@@ -285,6 +293,11 @@ class RunConfig:
             raise UsageError("framework = \"jax\" runs on JAX's default backend, which device does not choose; "
                              "set device = \"auto\" (the manifest records the JAX platform) or framework = "
                              "\"torch\"")
+        if not isinstance(self.faults, tuple) or not all(isinstance(f, Fault) for f in self.faults):
+            raise UsageError(f"faults must be a list of [[faults]] tables; got {self.faults!r}")
+        if self.framework == "jax" and (self.faults or self.reliability != ReliabilityConfig()):
+            raise UsageError("[[faults]] and [reliability] are PyTorch runner features; remove them or set "
+                             "framework = \"torch\"")
         if self.config_dir is not None and (not isinstance(self.config_dir, str) or not self.config_dir):
             raise UsageError(f"config_dir must be a folder path; got {self.config_dir!r}")
 
@@ -330,8 +343,14 @@ class RunConfig:
             v = getattr(self, f.name)
             if f.name == "config_dir" or (f.name == "device" and v == "auto"):
                 continue
+            if (f.name == "faults" and not v) or (f.name == "reliability" and v == ReliabilityConfig()):
+                continue  # left out when unused: older configs' data (and digests) stay the same
             if f.name == "recipe":
                 v = v.to_dict()
+            elif f.name == "reliability":
+                v = v.to_dict()
+            elif f.name == "faults":
+                v = [x.to_dict() for x in v]
             elif dataclasses.is_dataclass(v) and not isinstance(v, type):
                 v = {k: list(x) if isinstance(x, tuple) else x for k, x in dataclasses.asdict(v).items()}
             elif isinstance(v, tuple):
@@ -368,6 +387,13 @@ def check_declared(config: RunConfig, *, where: str | None = None) -> None:
         msg = (f"schedule.warmup_steps = {warm} is more than steps = {config.steps}: the learning rate would never "
                f"reach optimizer.lr (the whole run would be warm-up); set warmup_steps <= {config.steps} or raise "
                "steps")
+    elif config.reliability.rolls_back() and not config.checkpoint.interval:
+        from ..reliability._config import check_rollback
+
+        try:
+            check_rollback(config.reliability, config.checkpoint.interval)
+        except UsageError as e:
+            msg = str(e)
     elif config.stats.what_if and config.stats.every is None and config.recipe.fallback is None:
         msg = (f"stats.what_if {sorted(config.stats.what_if)} is measured only when statistics are sampled, and "
                "stats.every is not set: add stats.every = N (sample every N steps)")
@@ -439,4 +465,9 @@ def _from_dict(data: dict[str, Any]) -> RunConfig:
     for key, cls in _TABLES.items():
         if key in data:
             data[key] = _table(cls, data[key], key)
+    if "faults" in data:
+        faults = data["faults"]
+        if not isinstance(faults, list) or not all(isinstance(f, dict) for f in faults):
+            raise UsageError(f"faults must be a list of [[faults]] tables; got {faults!r}")
+        data["faults"] = tuple(Fault.from_dict(f) for f in faults)
     return RunConfig(**data)

@@ -178,9 +178,11 @@ def diverged_line(store: RunStore, run_id: str) -> str:
         return head + f": its localisation event is unreadable ({type(e).__name__}: {e})"
 
 
-StepFn = Callable[[int], tuple[dict[str, float], "dict[str, Any] | None", bool]]
+StepFn = Callable[[int], "tuple[dict[str, float], dict[str, Any] | None, bool] | None"]
 """``step_fn(step)``: train 0-based step ``step`` (learning rate ``ResolvedConfig.lr_at(step)``); returns (its
-scalars, the "nonfinite" event payload or None, whether it diverged)."""
+scalars, the "nonfinite" event payload or None, whether it diverged), or None when it rolled the run back to a
+checkpoint (``RunLifecycle.step`` is then the checkpoint's).  Setting ``RunLifecycle.stop_reason`` ends the run
+after this step, "failed" with that reason."""
 
 
 class RunLifecycle:
@@ -196,6 +198,8 @@ class RunLifecycle:
         self.step = 0
         """The last completed step (the start step until the loop runs)."""
         self.bar = Progress(r.name, r.steps, enabled=False)
+        self.stop_reason: str | None = None
+        """Set by the step function to end the run after the current step (a reliability policy's "stop")."""
 
     def create(self, manifest: dict[str, Any], *, run_id: str | None = None) -> str:
         """Record a new run (rank 0) and return its id (``run_id``, else a new one)."""
@@ -239,7 +243,11 @@ class RunLifecycle:
         the end.  True when the run diverged."""
         r, store = self.r, self.store
         while self.step < r.steps:
-            values, bad, diverged = step_fn(self.step)
+            done = step_fn(self.step)
+            if done is None:  # rolled back: self.step is the checkpoint's
+                self.bar.update(self.step)
+                continue
+            values, bad, diverged = done
             self.step += 1
             step = self.step
             if r.evaluates(step, diverged=diverged):
@@ -260,6 +268,8 @@ class RunLifecycle:
                                              "grad_norm": repr(values["train/grad_norm"])})
                 save(step)
                 return True
+            if self.stop_reason is not None:  # no checkpoint of a step a policy stopped: resume redoes it
+                return False
             if r.checkpoints(step):
                 save(step)
         save(self.step)
@@ -268,6 +278,11 @@ class RunLifecycle:
     def finish(self, *, diverged: bool) -> None:
         """End the run (rank 0): "diverged" or "completed"; a diverged run prints where it failed."""
         if not self.is_main:
+            return
+        if self.stop_reason is not None:
+            self.store.finish_run(self.run_id, status="failed", error=f"stopped: {self.stop_reason}")
+            if self.progress:
+                print(f"run {self.run_id} stopped: {self.stop_reason}", flush=True)
             return
         self.store.finish_run(self.run_id, status="diverged" if diverged else "completed")
         if diverged and self.progress:

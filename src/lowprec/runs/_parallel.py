@@ -43,21 +43,23 @@ class World:
     def distributed(self) -> bool:
         return self.size > 1 or dist.is_initialized()
 
-    def shard(self, batch: Any) -> Any:
-        """This rank's rows of a global batch (tensors split along dim 0; tuples/lists/dicts element-wise)."""
+    def shard(self, batch: Any, index: int | None = None) -> Any:
+        """This rank's rows of a global batch (tensors split along dim 0; tuples/lists/dicts element-wise);
+        ``index``: another rank's rows (a rerun computing that rank's shard)."""
         if self.size == 1:
             return batch
+        index = self.rank if index is None else index
         if isinstance(batch, torch.Tensor):
             n = batch.shape[0]
             if n % self.size:
                 raise UsageError(f"a batch of {n} rows cannot be split evenly over {self.size} ranks; "
                                  f"choose batch_size divisible by parallel.world_size")
             k = n // self.size
-            return batch[self.rank * k:(self.rank + 1) * k]
+            return batch[index * k:(index + 1) * k]
         if isinstance(batch, tuple | list):
-            return type(batch)(self.shard(b) for b in batch)
+            return type(batch)(self.shard(b, index) for b in batch)
         if isinstance(batch, dict):
-            return {k: self.shard(v) for k, v in batch.items()}
+            return {k: self.shard(v, index) for k, v in batch.items()}
         return batch
 
     def mean(self, value: torch.Tensor) -> float:
@@ -67,6 +69,23 @@ class World:
             dist.all_reduce(v)
             v /= self.size
         return float(v)
+
+    def mean_and_any(self, value: torch.Tensor, flag: bool) -> tuple[float, bool]:
+        """The mean over ranks of a scalar tensor and whether ``flag`` is set on any rank: one all-reduce."""
+        v = torch.cat([value.detach().to(torch.float64).reshape(1), torch.tensor([float(flag)], dtype=torch.float64,
+                                                                                 device=value.device)])
+        if self.distributed:
+            dist.all_reduce(v)
+            v[0] /= self.size
+        return float(v[0]), bool(v[1] > 0)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (``[obj]`` in one process)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
@@ -90,6 +109,9 @@ class Wrapped:
     """Bytes this rank sent for gradients (DDP) or received in weight all-gathers (FSDP2) in the last step."""
     after_backward: Callable[[], None] = lambda: None
     """Called after every backward: MAX all-reduce of the delayed-scaling amax histories."""
+    hook_state: Any = None
+    """DDP's gradient-compression hook state (``CompressState``), whose step counter and error-feedback residuals a
+    rerun of a step must restore (``_replay.Snapshot``)."""
 
 
 def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
@@ -132,7 +154,7 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
         return Wrapped(wrapped, lambda: ring_allreduce_bytes(nbytes, world.size), sync)
     state, hook = compress_hook(g.spec, rounding=g.rounding, seed=recipe.seed, error_feedback=g.error_feedback)
     wrapped.register_comm_hook(state, hook)
-    return Wrapped(wrapped, lambda: state.bytes_sent, sync)
+    return Wrapped(wrapped, lambda: state.bytes_sent, sync, hook_state=state)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

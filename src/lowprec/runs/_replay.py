@@ -40,9 +40,12 @@ class Snapshot:
         self.buffers: list[torch.Tensor] = []
         self.rng = torch.empty(0, dtype=torch.uint8)
         self.started: list[tuple[EmulatedLinear, frozenset[str]]] = []
+        self.hook: Any = None
+        self.hook_saved: Any = None
 
-    def take(self, model: torch.nn.Module) -> None:
-        """Record ``model``'s state at the start of a step."""
+    def take(self, model: torch.nn.Module, hook: Any = None) -> None:
+        """Record ``model``'s state at the start of a step (and ``hook``'s: DDP's compression state, whose
+        ``snapshot()`` this keeps)."""
         bufs = [b.detach() for b in model.buffers()]
         if len(bufs) != len(self.buffers) or any(a.shape != b.shape or a.dtype != b.dtype
                                                  for a, b in zip(bufs, self.buffers, strict=True)):
@@ -52,6 +55,8 @@ class Snapshot:
         self.rng = torch.get_rng_state()
         self.started = [(m, frozenset(m._amax_started)) for m in model.modules()
                         if isinstance(m, EmulatedLinear) and m._delayed]
+        self.hook = hook
+        self.hook_saved = hook.snapshot() if hook is not None else None
 
     def restore(self, model: torch.nn.Module) -> None:
         """Put ``model``'s buffers, the CPU random state and the started roles back as ``take`` recorded them."""
@@ -61,6 +66,8 @@ class Snapshot:
         torch.set_rng_state(self.rng)
         for m, started in self.started:
             m._amax_started = set(started)
+        if self.hook is not None:
+            self.hook.restore(self.hook_saved)
 
 
 def _same(a: float, b: float) -> bool:

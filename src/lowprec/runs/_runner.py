@@ -48,10 +48,12 @@ import torch
 from .._errors import UsageError
 from ..nn import convert
 from ..optim import LowPrecisionOptimizer
+from ..reliability._config import check_rollback
 from ._config import RunConfig
 from ._lifecycle import ResolvedConfig, RunLifecycle, import_dir, resolve, resolve_for_task, run_manifest
 from ._lifecycle import build_task as build_task  # re-exported: lowprec.runs, the CLI and the seeds helpers use it
 from ._parallel import World, resolve_device, unwrap, world_device, wrap_model
+from ._reliable import Guard
 from ._replay import gather_localizations, replay_step
 from ._resume import check_resumable
 from ._store import RunStore
@@ -103,56 +105,91 @@ def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
     return {f"eval/{k}": float(v) for k, v in metrics.items()}
 
 
-def _forward_backward(task: Task, st: State, r: ResolvedConfig, batch: int, *,
-                      replay: bool = False) -> tuple[torch.Tensor, float]:
+def _forward_backward(task: Task, st: State, r: ResolvedConfig, batch: int, *, replay: bool = False,
+                      shard: int | None = None, rerun: bool = False) -> tuple[torch.Tensor, float]:
     """Forward and backward of batch ``batch`` (0-based), gradient norm and clipping: (local loss, norm).
 
     ``replay``: the localisation replay of a failed step.  Under DDP it runs the inner module, so no gradient is
     all-reduced (each rank's replay sees its own gradients, and a compression hook's state is not touched); the
-    amax histories are not MAX-reduced either.  Every rank replays, so FSDP2's all-gathers still pair up."""
-    data = to_device(st.world.shard(task.train_batch(batch)), st.device)
+    amax histories are not MAX-reduced either.  Every rank replays, so FSDP2's all-gathers still pair up.
+    ``shard``: compute another rank's rows of the batch; ``rerun``: the step is computed again (``_reliable``:
+    injected transient faults do not fire again)."""
+    data = to_device(st.world.shard(task.train_batch(batch), shard), st.device)
     model = unwrap(st.model) if replay else st.model
+    guard = st.guard
+    step1 = st.step + 1
+    if guard is not None:
+        guard.before_forward(step1, rerun or replay)
     loss = batch_loss(model, data, task.loss_fn)
     st.optimizer.zero_grad()
     st.optimizer.scale_loss(loss).backward()
+    if guard is not None:
+        guard.after_backward(step1, rerun or replay)
     if not replay:
         st.wrapped.after_backward()
     params = [p for g in st.optimizer.param_groups for p in g["params"]]
     return loss, _grad_norm_and_clip(params, st.optimizer.scaler.scale, r.grad_clip)
 
 
-def _train_step(task: Task, st: State, r: ResolvedConfig, lr: float) -> tuple[dict[str, float], dict | None]:
-    """One optimizer step: (scalars to log, None or the "nonfinite" payload when the loss or gradient norm is
-    non-finite)."""
+def _train_step(task: Task, st: State, r: ResolvedConfig, lr: float,
+                life: RunLifecycle) -> tuple[dict[str, float], dict | None, str] | None:
+    """One optimizer step: (scalars to log, None or the "nonfinite" payload, what ends the run: "" to go on,
+    "diverged", or the reason it stops), or None when the step rolled back to a checkpoint (``st.step`` is then
+    the checkpoint's)."""
     t0 = time.perf_counter()
     for group in st.optimizer.param_groups:
         group["lr"] = lr
     if st.observer is not None:
         st.observer.step(st.step)
     snap = st.snapshot
-    snap.take(unwrap(st.model))
-    loss, norm = _forward_backward(task, st, r, st.step)
-    global_loss = st.world.mean(loss)
+    snap.take(unwrap(st.model), st.wrapped.hook_state)
+    guard = st.guard
+    batch = guard.batch(st.step) if guard is not None else st.step
+    loss, norm = _forward_backward(task, st, r, batch)
+    unskipped_bad = not math.isfinite(norm) and not st.optimizer.scaler.enabled
+    # one all-reduce: the mean loss, and whether any rank's gradient norm is non-finite (under DDP each rank
+    # computes it from its own copy of the reduced gradients: a fault after the reduction is one rank's alone)
+    global_loss, any_bad = st.world.mean_and_any(loss, unskipped_bad)
     comm = None if st.wrapped.comm_bytes is None else float(st.wrapped.comm_bytes())
     bad: dict[str, Any] | None = None
-    replay_s = 0.0
-    # every rank takes this branch together: the loss is the all-reduced mean, and the gradient norm is of the
-    # all-reduced (DDP) or sharded (FSDP2) gradients
-    if not math.isfinite(global_loss) or (not math.isfinite(norm) and not st.optimizer.scaler.enabled):
-        t1 = time.perf_counter()
+    end = ""
+    update, examined = True, False
+    t1 = time.perf_counter()
+    if guard is not None:
+        out = guard.check(st, life, st.step + 1, loss, norm, global_loss, any_bad, snap,
+                          lambda sh, again: _forward_backward(task, st, r, batch, shard=sh, rerun=again))
+        if out.action == "rollback":
+            return None
+        if out.loss is not None:
+            global_loss = out.loss
+        if out.norm is not None:
+            norm = out.norm
+        update = out.action == "ok" and not guard.update_skipped(st.step + 1)
+        examined = bool(out.reason)
+        if out.action == "stop":
+            end, update = out.reason, False
+        diverge = out.action == "diverge"
+    else:
+        diverge = not math.isfinite(global_loss) or any_bad
+    if diverge:
+        # every rank takes this branch together (the decision is from the all-reduced values)
         payload = replay_step(st, snap, float(loss.detach()), norm,
-                              lambda: _forward_backward(task, st, r, st.step, replay=True))
+                              lambda: _forward_backward(task, st, r, batch, replay=True))
         bad = gather_localizations(st.world, payload)
         if st.wrapped.comm_bytes is not None:
             st.wrapped.comm_bytes()  # drop what the replay's all-gathers added (FSDP2)
-        replay_s = time.perf_counter() - t1
-    st.optimizer.step()
+        end = "diverged"
+    replay_s = time.perf_counter() - t1 if (diverge or examined) else 0.0  # reruns are not the step's time
+    if update or diverge:
+        st.optimizer.step()
     dt = time.perf_counter() - t0 - replay_s
-    out = {"train/loss": global_loss, "train/grad_norm": norm, "train/lr": lr, "train/step_time_s": dt,
-           "train/samples_per_s": task.samples_per_step / dt}
+    out_values = {"train/loss": global_loss, "train/grad_norm": norm, "train/lr": lr, "train/step_time_s": dt,
+                  "train/samples_per_s": task.samples_per_step / dt}
+    if not update and not diverge:
+        out_values["train/update_skipped"] = 1.0
     if comm is not None:
-        out["comm/bytes_sent"] = comm
-    return out, bad
+        out_values["comm/bytes_sent"] = comm
+    return out_values, bad, end
 
 
 def _share_fallbacks(st: State) -> None:
@@ -170,10 +207,17 @@ def _loop(task: Task, st: State, life: RunLifecycle) -> bool:
     gradient norm)."""
     r, store = life.r, life.store
 
-    def step_fn(step: int) -> tuple[dict[str, float], dict[str, Any] | None, bool]:
-        values, bad = _train_step(task, st, r, r.lr_at(step))
+    def step_fn(step: int) -> tuple[dict[str, float], dict[str, Any] | None, bool] | None:
+        done = _train_step(task, st, r, r.lr_at(step), life)
+        if done is None:  # rolled back: the loop continues from the checkpoint's step
+            return None
+        values, bad, end = done
         st.step += 1
-        return values, bad, bad is not None
+        if st.guard is not None and not end:
+            end = st.guard.after_step(st, life, st.step) or ""
+        if end and end != "diverged":
+            life.stop_reason = end
+        return values, bad, end == "diverged"
 
     def before_log(step: int, values: dict[str, float]) -> None:
         for s, stats in (st.observer.pop_scalars() if st.observer is not None else {}).items():
@@ -292,7 +336,10 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
 
         st.fallback = FallbackController(unwrap(st.model), recipe.fallback, seed=recipe.seed)
     life = RunLifecycle(r, store, progress=progress, is_main=world.is_main, rank=world.rank)
+    check_rollback(r.config.reliability, r.checkpoint_interval)
+    st.guard = Guard(r, st)
     rid = _open_run(life, task, st, resume=resume, run_id=run_id, allow_restart=allow_restart)
+    st.guard.load(life, st)
     st.sample_every = r.stats_every
     if r.stats_every and world.is_main:
         from ..numerics import StatsObserver
@@ -304,6 +351,7 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
     finally:
         if st.observer is not None:
             st.observer.close()
+        st.guard.close()
     world.barrier()
     life.finish(diverged=diverged)
     return rid
@@ -339,7 +387,7 @@ def resume_run(run_id: str, *, store: RunStore, progress: bool = True, world_siz
     refused; ``allow_restart`` as in ``train``."""
     record = store.get_run(run_id)
     check_resumable(record)
-    stored = {**record.config, "store": str(store.path), "config_dir": record.manifest.get("config_dir")}
+    stored = {**record.config, "store": store.location, "config_dir": record.manifest.get("config_dir")}
     config = RunConfig.from_dict(stored, where=f"run {record.run_id}'s stored config")
     if world_size is not None:
         layout = {"strategy": "single" if world_size == 1 else "ddp", "world_size": world_size}

@@ -57,6 +57,8 @@ class State:
     """The statistics' sampling interval (steps ``s`` with ``s % sample_every == 0`` are sampled; 0: off)."""
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     """Where the model and every batch live (``world_device``)."""
+    guard: Any = None
+    """``_reliable.Guard``: injected faults, the spike detector, the skip ledger and the checks."""
 
 
 def _full_state(st: State) -> tuple[dict[str, Any], dict[str, Any]]:
