@@ -13,9 +13,10 @@ gradients and weights it ended with, and optionally its modules' output fingerpr
 of from a checkpoint on other nodes):
 
 * the rerun differs from the original on some rank: **transient** (the fault did not repeat).  The rank is the
-  one whose local loss changed (a forward fault: every rank's reduced gradients change with it), else whose
-  gradients changed (a fault after the reduction); the tensor is the first module whose output fingerprint
-  changed, else the gradients that changed;
+  one whose local loss changed (a forward fault: every rank's reduced gradients change with it), else whose module
+  output fingerprints changed (a forward fault too small to change the loss's bits), else whose gradients changed
+  (a fault after the reduction); the tensor is the first module whose output fingerprint changed, else (a fault
+  after the reduction) the gradients that changed;
 * the rerun reproduces it, and some shard computed by two ranks differs, or the replicas' weights or reduced
   gradients (identical by construction under DDP) disagree: **persistent**, on the rank common to every
   disagreement; with two ranks every disagreement involves both, and the faulty one is taken to be the one whose
@@ -51,6 +52,9 @@ class Computation:
     weights: tuple[int, ...] = ()
     modules: tuple[tuple[str, int], ...] = ()
     """Module output fingerprints in call order (empty unless ``[reliability] fingerprints``)."""
+    grad_norms: tuple[float, ...] = ()
+    """L2 norm of each gradient: gradient clipping scales every gradient of a rank by one factor, so the tensor a
+    fault hit is the one whose norm changed by another factor than the rest."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -59,7 +63,7 @@ class Computation:
     def from_dict(cls, d: dict[str, Any]) -> Computation:
         return cls(rank=d["rank"], shard=d["shard"], loss=d["loss"], grad_norm=d["grad_norm"],
                    grads=tuple(d["grads"]), weights=tuple(d["weights"]),
-                   modules=tuple((n, v) for n, v in d["modules"]))
+                   modules=tuple((n, v) for n, v in d["modules"]), grad_norms=tuple(d.get("grad_norms", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +114,23 @@ def _changes(a: Computation, b: Computation, names: Sequence[str]) -> list[str]:
     return out
 
 
+def _changed_grads(a: Computation, b: Computation) -> list[int]:
+    """Indices of the gradients a fault changed between two computations: those whose digests differ, less the
+    ones only gradient clipping rescaled (when every gradient differs, the ones whose norm ratio is the common
+    one, the median ratio, within 1e-5)."""
+    idx = [i for i, (x, y) in enumerate(zip(a.grads, b.grads, strict=True)) if x != y]
+    if len(idx) < 2 or len(a.grad_norms) != len(a.grads) or len(b.grad_norms) != len(b.grads):
+        return idx
+    ratios = {i: a.grad_norms[i] / b.grad_norms[i] for i in idx if b.grad_norms[i] > 0}
+    finite = sorted(v for v in ratios.values() if math.isfinite(v))
+    if not finite:
+        return idx
+    common = finite[len(finite) // 2]
+    odd = [i for i in idx if i not in ratios or not math.isfinite(ratios[i])
+           or abs(ratios[i] - common) > 1e-5 * abs(common)]
+    return odd or idx
+
+
 def _few(names: list[str], n: int = 4) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
@@ -147,18 +168,23 @@ def diagnose(original: Sequence[Computation], rerun: Sequence[Computation],
     diffs = {str(o.rank): _changes(o, r, names) for o, r in zip(original, rerun, strict=True)}
     diffs = {k: v for k, v in diffs.items() if v}
     if diffs:
-        by_loss = [o.rank for o, r in zip(original, rerun, strict=True) if not _same(o.loss, r.loss)]
-        ranks = by_loss or [int(k) for k in diffs]
+        def module(o: Computation, r: Computation) -> str | None:
+            return first_difference(list(o.modules), list(r.modules)) if o.modules and r.modules else None
+
+        pairs = list(zip(original, rerun, strict=True))
+        by_loss = [o.rank for o, r in pairs if not _same(o.loss, r.loss)]
+        by_module = [o.rank for o, r in pairs if module(o, r) is not None]
+        ranks = by_loss or by_module or [int(k) for k in diffs]
         tensors: list[str] = []
         for k in ranks:
             o, r = original[k], rerun[k]
-            module = first_difference(list(o.modules), list(r.modules)) if o.modules and r.modules else None
-            if module is not None:
-                tensors.append(f"activation:{module}")
-            elif not by_loss:
-                tensors += [f"grad:{names[i]}" for i, (x, y) in enumerate(zip(o.grads, r.grads, strict=True))
-                            if x != y]
-        how = "its local loss" if by_loss else "its gradients after the reduction"
+            m = module(o, r)
+            if m is not None:
+                tensors.append(f"activation:{m}")
+            elif not (by_loss or by_module):
+                tensors += [f"grad:{names[i]}" for i in _changed_grads(o, r)]
+        how = ("its local loss" if by_loss else "its modules' outputs" if by_module
+               else "its gradients after the reduction")
         return Diagnosis("transient", tuple(ranks), tuple(dict.fromkeys(tensors)), diffs,
                          f"not reproducible: running the step again from the same state changed {how} on rank(s) "
                          f"{', '.join(map(str, ranks))}; a fault that did not repeat")

@@ -41,7 +41,7 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     return w
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
     """The local data of a DTensor (an FSDP2 shard), else ``t``."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
@@ -49,7 +49,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def digest(t: torch.Tensor) -> int:
     """The positional int64 digest of ``t``'s bits (module docstring); a DTensor digests its local shard."""
-    t = _local(t.detach())
+    t = local(t.detach())
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return 0

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..reliability._diagnose import Computation, Diagnosis, diagnose, odd_ranks
-from ..reliability._digest import ModuleFingerprints, digests
+from ..reliability._digest import ModuleFingerprints, digests, local
 from ..reliability._faults import FaultInjector
 from ..reliability._ledger import SkipLedger
 from ..reliability._spike import SpikeDetector
@@ -79,6 +79,10 @@ class Guard:
         self.rollbacks = 0
         self.replicas = st.world.distributed and st.world.strategy == "ddp"
         self._reported = 0
+        self.unbucketed = self.replicas and st.world.size > 2
+        """DDP rebuilds its gradient buckets once, after the first backward of the process: a rerun of that step
+        all-reduces with other buckets, which with three or more ranks sums in another order (two operands
+        commute), so its gradients are not compared bit for bit (its forward still is)."""
 
     # -- resume ---------------------------------------------------------------------------------------------------
     def load(self, life: RunLifecycle, st: State) -> None:
@@ -126,8 +130,10 @@ class Guard:
     def _computation(self, st: State, loss: torch.Tensor | float, norm: float, shard: int) -> Computation:
         fp = tuple(self.fingerprints.records) if self.fingerprints is not None else ()
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        return Computation(st.world.rank, shard, value, float(norm), tuple(digests(p.grad for p in self.params)),
-                           tuple(digests(self.params)), fp)
+        grads = [None if p.grad is None else local(p.grad.detach()) for p in self.params]
+        norms = tuple(0.0 if g is None else float(torch.linalg.vector_norm(g.float())) for g in grads)
+        return Computation(st.world.rank, shard, value, float(norm), tuple(digests(grads)),
+                           tuple(digests(self.params)), fp, norms)
 
     def _due(self, every: int, step1: int) -> bool:
         return bool(every) and step1 % every == 0
@@ -160,8 +166,8 @@ class Guard:
         diag: Diagnosis | None = None
         out = Outcome(reason=reason)
         if c.rerun or sampled or reason == "gradients disagree":
-            diag, out = self._rerun(st, step1, loss, norm, snap, fb, reason, swap=not sampled)
-        if sampled and diag is not None and diag.verdict != "transient":
+            diag, out = self._rerun(st, step1, loss, norm, snap, fb, reason)
+        if sampled and diag is not None and diag.verdict == "reproducible":
             self._accept(global_loss)
             return Outcome()
         action = self._policy(reason, diag, rerun_ok=out.loss is not None)
@@ -208,7 +214,7 @@ class Guard:
         return c.on_persistent  # replicas that disagree reproducibly without a rank to blame
 
     def _rerun(self, st: State, step1: int, loss: torch.Tensor, norm: float, snap: Snapshot, fb: ForwardBackward,
-               reason: str, *, swap: bool) -> tuple[Diagnosis, Outcome]:
+               reason: str) -> tuple[Diagnosis, Outcome]:
         """Run the step again (and, if it reproduces, swapped), diagnose, and leave the gradients and buffers of
         the computation the step continues with: the rerun's when it differed (a transient fault) and is
         acceptable, else the original's."""
@@ -226,18 +232,33 @@ class Guard:
             l2, n2 = fb(shard, True)
             return self._computation(st, l2, n2, shard)
 
+        rerun = again(world.rank)
+        rerun_norm = rerun.grad_norm
+        original, rerun = self._comparable(original), self._comparable(rerun)
         originals = world.all_gather(original)
-        reruns = world.all_gather(again(world.rank))
+        reruns = world.all_gather(rerun)
         rerun_grads = [p.grad for p in self.params]
         after_rerun = Snapshot()
         after_rerun.take(model, hook)
         first = diagnose(originals, reruns, None, names=self.names, replicas=self.replicas)
         swapped = None
-        if swap and first.verdict == "reproducible" and world.size > 1:
+        if first.verdict == "reproducible" and world.size > 1:
             swapped = world.all_gather(again((world.rank + 1) % world.size))
         diag = diagnose(originals, reruns, swapped, names=self.names, replicas=self.replicas)
         if st.wrapped.comm_bytes is not None and hook is None:
             st.wrapped.comm_bytes()  # FSDP2: drop what the reruns' all-gathers added
+        if diag.verdict == "transient" and reason == "sampled replay":
+            # neither computation was rejected: a third one decides which of the two the fault was in
+            third = world.all_gather(self._comparable(again(world.rank)))
+            if diagnose(originals, third, None, names=self.names, replicas=self.replicas).verdict != "transient":
+                diag = dataclasses.replace(diag, detail=diag.detail + " (in the rerun: a third computation "
+                                           "agrees with the original)")
+                for p, g in zip(self.params, original_grads, strict=True):
+                    p.grad = g
+                after_original.restore(model)
+                return diag, Outcome(reason=reason)
+            for p, g in zip(self.params, rerun_grads, strict=True):
+                p.grad = g
         rerun_loss = sum(r.loss for r in reruns) / len(reruns)
         use_rerun = (diag.verdict == "transient" and math.isfinite(rerun_loss)
                      and all(math.isfinite(r.grad_norm) for r in reruns)
@@ -248,8 +269,12 @@ class Guard:
         state.restore(model)
         out = Outcome(reason=reason)
         if use_rerun:
-            out.loss, out.norm = rerun_loss, reruns[world.rank].grad_norm
+            out.loss, out.norm = rerun_loss, rerun_norm
         return diag, out
+
+    def _comparable(self, c: Computation) -> Computation:
+        """``c`` without its gradients while they cannot be compared bit for bit (``unbucketed``)."""
+        return dataclasses.replace(c, grads=(), grad_norm=0.0, grad_norms=()) if self.unbucketed else c
 
     def _rollback(self, st: State, life: RunLifecycle, step1: int, reason: str) -> None:
         """Reload the newest checkpoint, skip the batches around this step's in the ledger (recorded first, so a

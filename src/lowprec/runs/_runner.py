@@ -180,6 +180,8 @@ def _train_step(task: Task, st: State, r: ResolvedConfig, lr: float,
             st.wrapped.comm_bytes()  # drop what the replay's all-gathers added (FSDP2)
         end = "diverged"
     replay_s = time.perf_counter() - t1 if (diverge or examined) else 0.0  # reruns are not the step's time
+    if guard is not None:
+        guard.unbucketed = False  # one backward done: DDP's buckets are final (``Guard.unbucketed``)
     if update or diverge:
         st.optimizer.step()
     dt = time.perf_counter() - t0 - replay_s

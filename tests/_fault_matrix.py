@@ -1,0 +1,73 @@
+"""The fault-injection matrix of issue 19 (docs/debugging.md "Detection matrix"): every scenario, the fault it
+injects into a real torchrun run and what the checks must report.  Shared by the torchrun worker
+(``_dist_reliability_worker.py``), its test (``test_dist_reliability.py``) and the docs table.
+
+Every scenario trains mlp-digits (10 steps, data parallel) with every check on every step (fingerprints, sampled
+replays, reduced-gradient and weight checksums) and stops at a persistent fault, so the first "rerun" or "sdc"
+event is the detection.  Transient faults are attributed from what the rerun changed, at any world size;
+persistent ones by a vote among the ranks that computed the same shard, which needs three ranks (``world = 3``)
+unless the fault is gross enough that the faulty rank's result is the non-finite or larger one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    world: int
+    fault: dict[str, Any]
+    verdict: str
+    tensor: str
+    strategy: str = "ddp"
+
+    @property
+    def rank(self) -> int:
+        return int(self.fault["rank"])
+
+    @property
+    def step(self) -> int:
+        return int(self.fault["step"])
+
+
+def _s(name: str, world: int, target: str, tensor: str, rank: int, step: int, bit: int, *, persistent: bool = False,
+       index: int = 5, verdict: str | None = None, expect: str | None = None, strategy: str = "ddp") -> Scenario:
+    fault = {"target": target, "tensor": tensor, "rank": rank, "step": step, "bit": bit, "index": index,
+             "persistent": persistent}
+    kind = {"weight": "weight", "grad": "grad", "activation": "activation"}[target]
+    return Scenario(name, world, fault, verdict or ("persistent" if persistent or target == "weight" else "transient"),
+                    expect or f"{kind}:{tensor}", strategy)
+
+
+SCENARIOS = (
+    # two ranks: transient faults (attributed by what the rerun changed) and gross persistent ones
+    _s("grad-exp-r0", 2, "grad", "head.weight", 0, 3, 30),
+    _s("grad-exp-r1", 2, "grad", "head.weight", 1, 5, 30),
+    _s("grad-exp-l0-r1", 2, "grad", "layers.0.weight", 1, 7, 30, index=200),
+    _s("grad-mantissa-r0", 2, "grad", "layers.1.bias", 0, 4, 2),
+    _s("act-mantissa-r0", 2, "activation", "layers.0", 0, 4, 3, index=40),
+    _s("act-mantissa-head-r1", 2, "activation", "head", 1, 6, 10, index=3),
+    _s("act-exp-r0", 2, "activation", "layers.0", 0, 5, 30, index=11),
+    _s("act-sign-r1", 2, "activation", "layers.1", 1, 2, 31, index=64),
+    _s("grad-exp-persistent-r0", 2, "grad", "head.weight", 0, 4, 30, persistent=True),
+    _s("grad-exp-persistent-r1", 2, "grad", "layers.0.bias", 1, 2, 30, persistent=True),
+    _s("fsdp2-act-mantissa-r1", 2, "activation", "layers.1", 1, 4, 4, index=9, strategy="fsdp2"),
+    # three ranks: persistent faults and corrupted memory, attributed by majority
+    _s("weight-mantissa-r2", 3, "weight", "layers.0.weight", 2, 4, 5, index=100),
+    _s("weight-exp-r1", 3, "weight", "head.bias", 1, 6, 30, index=2),
+    _s("weight-mantissa-r0", 3, "weight", "layers.1.weight", 0, 3, 2, index=321),
+    _s("grad-mantissa-persistent-r1", 3, "grad", "layers.1.weight", 1, 5, 6, persistent=True),
+    _s("act-mantissa-persistent-r0", 3, "activation", "layers.1", 0, 3, 8, persistent=True, index=21),
+    _s("act-mantissa-persistent-r2", 3, "activation", "layers.0", 2, 6, 14, persistent=True, index=77),
+    _s("grad-mantissa-r2", 3, "grad", "head.bias", 2, 2, 1, index=4),
+    _s("act-mantissa-head-r1-w3", 3, "activation", "head", 1, 7, 12, index=8),
+    _s("grad-exp-r2", 3, "grad", "layers.1.weight", 2, 3, 30, index=1000),
+    _s("act-exp-r0-w3", 3, "activation", "layers.1", 0, 2, 30, index=17),
+    _s("weight-stuck-r2", 3, "weight", "layers.1.bias", 2, 5, 22, persistent=True, index=7),
+)
+
+CLEAN_TASKS = ("mlp-digits", "cnn-digits", "gpt-bytes", "synthetic-regression")
+"""Zoo tasks trained clean, with every check on every step: not one alarm may be raised."""
