@@ -14,10 +14,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+REASONS = {"N": "nonfinite", "G": "gradients disagree", "R": "sampled replay"}
+"""What rejects or examines the step: a non-finite loss or gradient norm, the replicas' reduced-gradient
+checksums, the sampled replay."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
+    reason: str
+    """The check that finds it (a ``REASONS`` value)."""
     world: int
     fault: dict[str, Any]
     verdict: str
@@ -33,41 +39,57 @@ class Scenario:
         return int(self.fault["step"])
 
 
-def _s(name: str, world: int, target: str, tensor: str, rank: int, step: int, bit: int, *, persistent: bool = False,
-       index: int = 5, verdict: str | None = None, expect: str | None = None, strategy: str = "ddp") -> Scenario:
+def _s(name: str, reason: str, world: int, target: str, tensor: str, rank: int, step: int, bit: int, *,
+       persistent: bool = False, index: int = 5, verdict: str | None = None, expect: str | None = None,
+       strategy: str = "ddp") -> Scenario:
     fault = {"target": target, "tensor": tensor, "rank": rank, "step": step, "bit": bit, "index": index,
              "persistent": persistent}
-    kind = {"weight": "weight", "grad": "grad", "activation": "activation"}[target]
-    return Scenario(name, world, fault, verdict or ("persistent" if persistent or target == "weight" else "transient"),
-                    expect or f"{kind}:{tensor}", strategy)
+    verdict = verdict or ("persistent" if persistent or target == "weight" else "transient")
+    return Scenario(name, REASONS[reason], world, fault, verdict,
+                    expect or f"{target}:{tensor}", strategy)
 
 
 SCENARIOS = (
     # two ranks: transient faults (attributed by what the rerun changed) and gross persistent ones
-    _s("grad-exp-r0", 2, "grad", "head.weight", 0, 3, 30),
-    _s("grad-exp-r1", 2, "grad", "head.weight", 1, 5, 30),
-    _s("grad-exp-l0-r1", 2, "grad", "layers.0.weight", 1, 7, 30, index=200),
-    _s("grad-mantissa-r0", 2, "grad", "layers.1.bias", 0, 4, 2),
-    _s("act-mantissa-r0", 2, "activation", "layers.0", 0, 4, 3, index=40),
-    _s("act-mantissa-head-r1", 2, "activation", "head", 1, 6, 10, index=3),
-    _s("act-exp-r0", 2, "activation", "layers.0", 0, 5, 30, index=11),
-    _s("act-sign-r1", 2, "activation", "layers.1", 1, 2, 31, index=64),
-    _s("grad-exp-persistent-r0", 2, "grad", "head.weight", 0, 4, 30, persistent=True),
-    _s("grad-exp-persistent-r1", 2, "grad", "layers.0.bias", 1, 2, 30, persistent=True),
-    _s("fsdp2-act-mantissa-r1", 2, "activation", "layers.1", 1, 4, 4, index=9, strategy="fsdp2"),
+    _s("grad-exp-r0", 'N', 2, "grad", "head.weight", 0, 3, 30),
+    _s("grad-exp-r1", 'N', 2, "grad", "head.weight", 1, 5, 30),
+    _s("grad-exp-l0-r1", 'G', 2, "grad", "layers.0.weight", 1, 7, 30, index=200),
+    _s("grad-mantissa-r0", 'G', 2, "grad", "layers.1.bias", 0, 4, 2),
+    _s("act-mantissa-r0", 'R', 2, "activation", "layers.0", 0, 4, 3, index=40),
+    _s("act-mantissa-head-r1", 'R', 2, "activation", "head", 1, 6, 10, index=3),
+    _s("act-exp-r0", 'N', 2, "activation", "layers.0", 0, 5, 30, index=11),
+    _s("act-sign-r1", 'R', 2, "activation", "layers.1", 1, 2, 31, index=64),
+    _s("grad-exp-persistent-r0", 'N', 2, "grad", "head.weight", 0, 4, 30, persistent=True),
+    _s("grad-exp-persistent-r1", 'N', 2, "grad", "layers.0.bias", 1, 2, 30, persistent=True),
+    _s("fsdp2-act-mantissa-r1", 'R', 2, "activation", "layers.1", 1, 4, 4, index=9, strategy="fsdp2"),
     # three ranks: persistent faults and corrupted memory, attributed by majority
-    _s("weight-mantissa-r2", 3, "weight", "layers.0.weight", 2, 4, 5, index=100),
-    _s("weight-exp-r1", 3, "weight", "head.bias", 1, 6, 30, index=2),
-    _s("weight-mantissa-r0", 3, "weight", "layers.1.weight", 0, 3, 2, index=321),
-    _s("grad-mantissa-persistent-r1", 3, "grad", "layers.1.weight", 1, 5, 6, persistent=True),
-    _s("act-mantissa-persistent-r0", 3, "activation", "layers.1", 0, 3, 8, persistent=True, index=21),
-    _s("act-mantissa-persistent-r2", 3, "activation", "layers.0", 2, 6, 14, persistent=True, index=77),
-    _s("grad-mantissa-r2", 3, "grad", "head.bias", 2, 2, 1, index=4),
-    _s("act-mantissa-head-r1-w3", 3, "activation", "head", 1, 7, 12, index=8),
-    _s("grad-exp-r2", 3, "grad", "layers.1.weight", 2, 3, 30, index=1000),
-    _s("act-exp-r0-w3", 3, "activation", "layers.1", 0, 2, 30, index=17),
-    _s("weight-stuck-r2", 3, "weight", "layers.1.bias", 2, 5, 22, persistent=True, index=7),
+    _s("weight-mantissa-r2", 'R', 3, "weight", "layers.0.weight", 2, 4, 5, index=100),
+    _s("weight-exp-r1", 'N', 3, "weight", "head.bias", 1, 6, 30, index=2),
+    _s("weight-mantissa-r0", 'R', 3, "weight", "layers.1.weight", 0, 3, 2, index=321),
+    _s("grad-mantissa-persistent-r1", 'G', 3, "grad", "layers.1.weight", 1, 5, 6, persistent=True),
+    _s("act-mantissa-persistent-r0", 'R', 3, "activation", "layers.1", 0, 3, 8, persistent=True, index=21),
+    _s("act-mantissa-persistent-r2", 'R', 3, "activation", "layers.0", 2, 6, 14, persistent=True, index=77),
+    _s("grad-mantissa-r2", 'G', 3, "grad", "head.bias", 2, 2, 1, index=4),
+    _s("act-mantissa-head-r1-w3", 'R', 3, "activation", "head", 1, 7, 12, index=8),
+    _s("grad-exp-r2", 'N', 3, "grad", "layers.1.weight", 2, 3, 30, index=1000),
+    _s("act-exp-r0-w3", 'N', 3, "activation", "layers.1", 0, 2, 30, index=17),
+    _s("weight-stuck-r2", 'R', 3, "weight", "layers.1.bias", 2, 5, 22, persistent=True, index=7),
 )
 
 CLEAN_TASKS = ("mlp-digits", "cnn-digits", "gpt-bytes", "synthetic-regression")
 """Zoo tasks trained clean, with every check on every step: not one alarm may be raised."""
+
+
+def markdown_table() -> str:
+    """The docs' detection table: each scenario's fault and what the checks reported (asserted by
+    test_dist_reliability.py, so the table is what real runs measured)."""
+    head = ("| # | ranks | layout | fault (target, tensor, element, bit) | on rank | step | kind | found by | verdict "
+            "| attributed to |\n|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for i, s in enumerate(SCENARIOS, 1):
+        f = s.fault
+        kind = "persistent" if f["persistent"] else "transient"
+        rows.append(f"| {i} | {s.world} | {s.strategy.upper()} | {f['target']} `{f['tensor']}`[{f['index']}] bit "
+                    f"{f['bit']} | {s.rank} | {s.step} | {kind} | {s.reason} | {s.verdict} | rank {s.rank}, "
+                    f"step {s.step}, `{s.tensor}` |")
+    return "\n".join([head, *rows])

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from _fault_matrix import CLEAN_TASKS, SCENARIOS, Scenario
+
 from lowprec.runs._store import RunStore
 from lowprec.testing import torchrun
 
@@ -41,7 +41,7 @@ def test_fault_detected_and_attributed(matrix: dict[str, list[dict]], sc: Scenar
     first = events[0]
     p = first["payload"]
     assert first["kind"] == "rerun" and first["step"] == sc.step, (first, sc)  # no false alarm before the fault
-    assert p["verdict"] == sc.verdict and p["ranks"] == [sc.rank], p
+    assert p["reason"] == sc.reason and p["verdict"] == sc.verdict and p["ranks"] == [sc.rank], p
     assert sc.tensor in p["tensors"], p
 
 

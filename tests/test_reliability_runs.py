@@ -174,3 +174,32 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
                               '[[faults]]\ntarget = "weight"\ntensor = "head.weight"\nstep = 3\nrank = 1\n')
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     assert "reliability" not in RunConfig(model="mlp-digits").to_dict()
+
+
+def test_judge_and_report_show_spikes_rollbacks_and_faults(tmp_path: Path) -> None:
+    """A run that rolled a reproducible spike back FAILs the divergence guard naming it (its curve no longer
+    shows it); a run whose transient fault was rerun away PASSes it, with the fault named; the report lists the
+    reliability events."""
+    from lowprec.accuracy import judge
+    from lowprec.accuracy._baseline import RunData, build_baseline
+    from lowprec.accuracy._report import write_report
+
+    quiet = {"model": "_faulty_tasks:spike_at", "model_options": {"step": 10**6}}  # mlp-digits, no spike
+    base_cfg = _config(tmp_path / "base", seeds=(0, 1, 2), steps=60, **quiet)
+    store = RunStore(base_cfg.store)
+    ids = run_config(base_cfg, store=store, progress=False)
+    baseline = build_baseline("b", [RunData.from_store(store, i) for i in ids])
+    spiky = _spiky(tmp_path / "spiky", seeds=(0,), steps=60)
+    (sid,) = run_config(dataclasses.replace(spiky, store=base_cfg.store), store=store, progress=False)
+    fault = Fault(target="grad", tensor="head.weight", step=3, index=2, bit=30)
+    faulty = _config(tmp_path, seeds=(1,), steps=60, faults=(fault,), **quiet)
+    (fid,) = run_config(dataclasses.replace(faulty, store=base_cfg.store), store=store, progress=False)
+    v = judge(baseline, [RunData.from_store(store, sid)])
+    div = next(r for r in v.results if r.name == "divergence")
+    assert div.outcome == "fail" and "loss spike" in div.reason and "step 10" in div.reason
+    v = judge(baseline, [RunData.from_store(store, fid)])
+    div = next(r for r in v.results if r.name == "divergence")
+    assert div.outcome == "pass" and "transient fault on rank(s) [0] at step 3" in div.reason
+    html = write_report(tmp_path / "r.html", baseline=baseline, runs=[RunData.from_store(store, sid)],
+                        verdict=None).read_text()
+    assert "rollback" in html and "spike" in html

@@ -249,7 +249,16 @@ def _first_divergence(b: Baseline, run: RunData) -> tuple[int, str] | None:
             if bad.size:
                 found.append((int(st[bad[0]]), f"{key} = {float(v[bad[0]])!r}"))
     located = None
+    device = {e.get("step") for e in run.events if e.get("kind") == "rerun"
+              and (e.get("payload") or {}).get("verdict") in ("transient", "persistent")}
     for e in run.events:
+        p = e.get("payload") or {}
+        if e.get("kind") == "spike" and e.get("step") not in device:  # a spike the run rolled back or skipped is
+            # no longer in its curve; one a rerun put on a device fault is not the recipe's
+            found.append((int(e.get("step", 0)), f"loss spike {p.get('loss')!r} ({p.get('rule')} rule; handled "
+                                                 "during training: see the run's rerun/rollback events)"))
+        elif e.get("kind") == "rerun" and p.get("reason") == "nonfinite" and p.get("verdict") == "reproducible":
+            found.append((int(e.get("step", 0)), f"non-finite step, reproducible ({p.get('action')})"))
         if e.get("kind") == "nonfinite":  # its payload is described below
             found.append((int(e.get("step", 0)), "nonfinite event"))
         elif e.get("kind") in DIVERGENCE_EVENTS:
@@ -268,13 +277,20 @@ def _divergence(b: Baseline, runs: list[RunData]) -> CriterionResult:
         got = _first_divergence(b, r)
         if got is not None:
             hits[r.run_id] = {"run": r.name, "step": got[0], "what": got[1]}
+    faults = [f"{e['payload'].get('verdict')} fault on rank(s) {e['payload'].get('ranks')} at step {e.get('step')} "
+              f"({e['payload'].get('action')})" for r in runs for e in r.events
+              if e.get("kind") == "rerun" and e.get("payload", {}).get("verdict") in ("transient", "persistent")]
+    faults += [f"replicas disagreed at step {e.get('step')} ({e['payload'].get('detail')})" for r in runs
+               for e in r.events if e.get("kind") == "sdc"]
+    noted = f"; device faults found and handled in training (not the recipe's): {'; '.join(faults)}" if faults else ""
     if hits:
         first = min(hits.values(), key=lambda h: int(h["step"]))  # type: ignore[call-overload]
         reason = "; ".join(f"{h['run']!r} ({rid}) at step {h['step']}: {h['what']}" for rid, h in hits.items())
-        return CriterionResult(name="divergence", outcome="fail", role="guard", reason="diverged: " + reason,
-                               values={"step": first["step"], "runs": hits})
-    return CriterionResult(name="divergence", outcome="pass", role="guard", values={},
-                           reason="all losses and eval metrics finite, no loss spike")
+        return CriterionResult(name="divergence", outcome="fail", role="guard",
+                               reason="diverged: " + reason + noted, values={"step": first["step"], "runs": hits})
+    return CriterionResult(name="divergence", outcome="pass", role="guard",
+                           values={"faults": faults} if faults else {},
+                           reason="all losses and eval metrics finite, no loss spike" + noted)
 
 
 def curve_se(b: Baseline, m: int) -> np.ndarray:

@@ -746,11 +746,16 @@ def stats_grid(run: RunData, stat: str) -> tuple[list[str], list[int], np.ndarra
     return [f"{m} {role}" for m, role in rows], steps, grid
 
 
+REPORTED_EVENTS = ("fallback", "nonfinite", "diverged", "spike", "rerun", "rollback", "skip", "sdc")
+"""Events the report lists per run: numerics (fallbacks, non-finite values) and reliability (spikes, reruns and
+their diagnosis, rollbacks, the skip ledger, replica mismatches)."""
+
+
 def _numerics_section(runs: list[RunData]) -> str:
     """Per run with sampled statistics: layer x step heatmaps of SQNR and underflow, and its numerics events."""
     out = []
     for r in runs:
-        events = [e for e in r.events if e.get("kind") in ("fallback", "nonfinite", "diverged")]
+        events = [e for e in r.events if e.get("kind") in REPORTED_EVENTS]
         labels, steps, sqnr = stats_grid(r, "sqnr_db")
         if not labels and not events:
             continue

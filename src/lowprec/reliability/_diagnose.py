@@ -100,7 +100,7 @@ def _changes(a: Computation, b: Computation, names: Sequence[str]) -> list[str]:
     out = []
     if not _same(a.loss, b.loss):
         out.append(f"loss {a.loss!r} vs {b.loss!r}")
-    module = first_difference(list(a.modules), list(b.modules)) if a.modules and b.modules else None
+    module = _module_diff(a, b)
     if module is not None:
         out.append(f"first module output that differs: {module}")
     if not _same(a.grad_norm, b.grad_norm):
@@ -112,6 +112,12 @@ def _changes(a: Computation, b: Computation, names: Sequence[str]) -> list[str]:
     if w:
         out.append(f"weights {_few(w)}")
     return out
+
+
+def _module_diff(a: Computation, b: Computation) -> str | None:
+    """The first module whose output differs between two computations of one shard (None: none, or no
+    fingerprints)."""
+    return first_difference(list(a.modules), list(b.modules)) if a.modules and b.modules else None
 
 
 def _changed_grads(a: Computation, b: Computation) -> list[int]:
@@ -168,17 +174,14 @@ def diagnose(original: Sequence[Computation], rerun: Sequence[Computation],
     diffs = {str(o.rank): _changes(o, r, names) for o, r in zip(original, rerun, strict=True)}
     diffs = {k: v for k, v in diffs.items() if v}
     if diffs:
-        def module(o: Computation, r: Computation) -> str | None:
-            return first_difference(list(o.modules), list(r.modules)) if o.modules and r.modules else None
-
         pairs = list(zip(original, rerun, strict=True))
         by_loss = [o.rank for o, r in pairs if not _same(o.loss, r.loss)]
-        by_module = [o.rank for o, r in pairs if module(o, r) is not None]
+        by_module = [o.rank for o, r in pairs if _module_diff(o, r) is not None]
         ranks = by_loss or by_module or [int(k) for k in diffs]
         tensors: list[str] = []
         for k in ranks:
             o, r = original[k], rerun[k]
-            m = module(o, r)
+            m = _module_diff(o, r)
             if m is not None:
                 tensors.append(f"activation:{m}")
             elif not (by_loss or by_module):
@@ -214,7 +217,7 @@ def diagnose(original: Sequence[Computation], rerun: Sequence[Computation],
             pairs.append((owner, c))
             differed.setdefault(f"shard {c.shard}", []).append(
                 f"rank {owner.rank} and rank {c.rank} computing it: " + "; ".join(changes))
-            module = first_difference(list(owner.modules), list(c.modules)) if owner.modules and c.modules else None
+            module = _module_diff(owner, c)
             if module is not None:
                 tensors.append(f"activation:{module}")
     if pairs:

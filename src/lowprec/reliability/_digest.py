@@ -5,9 +5,9 @@ integer) times an odd weight ``w_i = (2 i + 1) mod 2^31``, summed in int64 with 
 
     D(t) = sum_i v_i * w_i   (mod 2^64)
 
-Changing one element by ``d = v'_i - v_i`` (``0 < |d| < 2^32``) changes ``D`` by ``d * w_i``, which is never 0 mod
-2^64 because ``w_i`` is odd (invertible mod 2^64): **a change in one element is always detected**, whatever bit
-flips.  Several changed elements cancel only if their weighted deltas sum to 0 mod 2^64 (for random damage, a
+Changing one element by ``d = v'_i - v_i`` (any ``d != 0`` mod 2^64) changes ``D`` by ``d * w_i``, which is never 0
+mod 2^64 because ``w_i`` is odd (invertible mod 2^64): **a change in one element is always detected**, whatever
+bit flips.  Several changed elements cancel only if their weighted deltas sum to 0 mod 2^64 (for random damage, a
 2^-64 event).  The weights depend on the position, so a permutation of elements is seen too.  Floating-point
 sums would not do: a low mantissa bit of one element vanishes in the rounding of a float sum, and ``-0.0`` and
 ``NaN`` payloads compare equal or never equal.
