@@ -134,3 +134,19 @@ def test_odd_ranks_votes_and_ties() -> None:
     comps = [_c(0, 0, 1.0), _c(1, 1, float("inf"))]
     assert odd_ranks([[1, 2], [1, 3]], comps) == ([1], [1])  # the non-finite one
     assert odd_ranks([[4], [4]], None) == ([], [])
+
+
+def test_docs_reliability_config_and_matrix_are_current() -> None:
+    """docs/debugging.md: the [reliability] block parses to the defaults it claims, and the detection table is
+    the matrix test_dist_reliability.py asserts."""
+    import re
+    from pathlib import Path
+
+    from _fault_matrix import markdown_table
+    from lowprec.reliability._config import ReliabilityConfig
+    from lowprec.runs._config import RunConfig
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "debugging.md").read_text()
+    (block,) = [b for b in re.findall(r"```toml\n(.*?)```", text, flags=re.S) if "[reliability]" in b]
+    assert RunConfig.from_toml('model = "mlp-digits"\n' + block).reliability == ReliabilityConfig()
+    assert markdown_table() in text
