@@ -29,3 +29,39 @@ import lowprec
 def _eager_backend() -> Iterator[None]:
     with lowprec.quant.backend("eager"):
         yield
+
+
+# -- run stores of both backends ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def postgres_server() -> str:
+    """A PostgreSQL server's URL (``tests/_postgres.py``: $LOWPREC_TEST_POSTGRES, else one started here); skips
+    where there is none, fails instead under LOWPREC_REQUIRE_POSTGRES=1 (CI)."""
+    import _postgres
+
+    why = _postgres.unavailable()
+    if why is not None:
+        if os.environ.get("LOWPREC_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"LOWPREC_REQUIRE_POSTGRES=1 but {why}")
+        pytest.skip(why)
+    url = _postgres.postgres_url()
+    assert url is not None
+    return url
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str) -> Iterator[str]:
+    """A fresh, empty database on that server: one store per test, dropped afterwards."""
+    import _postgres
+
+    url = _postgres.fresh_database(postgres_server)
+    yield url
+    _postgres.drop_database(postgres_server, url)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a test's run store goes, once per backend: an SQLite file, and a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "runs.db")
+    return str(request.getfixturevalue("postgres_url"))

@@ -1,5 +1,8 @@
 """RunStore: round trips against plain Python reference models, the schema-version rules, error messages, and the
-crash/concurrency guarantees checked with real processes (two spawned writers; a writer killed with SIGKILL)."""
+crash/concurrency guarantees checked with real processes (two spawned writers; a writer killed with SIGKILL).
+
+The tests that take the ``store`` fixture run once per backend (``store_location`` in conftest.py: an SQLite file
+and a fresh PostgreSQL database); the file, schema and crash rules are SQLite's (PostgreSQL's: test_store_pg.py)."""
 
 from __future__ import annotations
 
@@ -21,14 +24,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _postgres import raw
 
 from lowprec.runs import _store
 from lowprec.runs._store import MIGRATIONS, RunStore, StoreCorrupt, StoreError
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    with RunStore(tmp_path / "runs.db") as s:
+def store(store_location: str):
+    with RunStore(store_location) as s:
         yield s
 
 
@@ -131,7 +135,7 @@ def test_run_id_prefixes(store: RunStore) -> None:
     with pytest.raises(StoreError, match=r"'abcd' is ambiguous: it matches 2 runs: abcdef100002 \(second\), "
                                          r"abcdef000001 \(first\); give more characters"):
         store.get_run("abcd")
-    with pytest.raises(StoreError, match=r"no run with id '1234' in .*runs.db; recent runs: abcdef100002 \(second\), "
+    with pytest.raises(StoreError, match=r"no run with id '1234' in \S+; recent runs: abcdef100002 \(second\), "
                                          r"abcdef000001 \(first\)$"):
         store.get_run("1234")
     with pytest.raises(StoreError, match="too short: give at least 4"):
@@ -192,7 +196,7 @@ def test_baselines(store: RunStore) -> None:
 def test_pickle_reopens_same_file_and_threads_share_a_store(store: RunStore) -> None:
     rid = _new(store)
     with pickle.loads(pickle.dumps(store)) as copy:
-        assert copy.path == store.path and copy.get_run(rid).run_id == rid
+        assert copy.location == store.location and copy.get_run(rid).run_id == rid
 
     def log(key: str) -> None:
         for s in range(200):
@@ -338,15 +342,13 @@ def test_read_only_directory(tmp_path: Path) -> None:
 
 # -- the dead-process rule (oracle: processes whose fate the test controls) -------------------------------------
 
-def _set_owner(path: Path, rid: str, **cols: object) -> None:
+def _set_owner(store: RunStore, rid: str, **cols: object) -> None:
     """Edit a run's owner columns as another process would have written them (checksum kept valid)."""
-    con = sqlite3.connect(path)
-    with con:
+    with raw(store) as con:
         for col, val in cols.items():
             con.execute(f"UPDATE runs SET {col} = ? WHERE run_id = ?", (val, rid))
         row = con.execute(f"SELECT {RunStore._COLUMNS} FROM runs WHERE run_id = ?", (rid,)).fetchone()
         con.execute("UPDATE runs SET checksum = ? WHERE run_id = ?", (_store.run_checksum(row), rid))
-    con.close()
 
 
 def test_dead_zombie_reused_and_remote_processes(store: RunStore) -> None:
@@ -359,16 +361,16 @@ def test_dead_zombie_reused_and_remote_processes(store: RunStore) -> None:
             if stat is None or stat[0] == "Z":
                 break
             time.sleep(0.01)
-        _set_owner(store.path, rid, pid=child.pid, pid_start=None)
+        _set_owner(store, rid, pid=child.pid, pid_start=None)
         rec = store.get_run(rid)
         assert (rec.status, rec.error) == ("failed", f"process {child.pid} ended without finishing the run")
     finally:
         child.wait()
     assert store.get_run(rid).status == "failed"  # reaped: no such process
     assert [r.run_id for r in store.list_runs(status="failed")] == [rid]
-    _set_owner(store.path, rid, hostname="another-host")  # cannot be checked from here: stored status stands
+    _set_owner(store, rid, hostname="another-host")  # cannot be checked from here: stored status stands
     assert store.get_run(rid).status == "running"
-    _set_owner(store.path, rid, hostname=store._hostname, pid=os.getpid(), pid_start="1")
+    _set_owner(store, rid, hostname=store._hostname, pid=os.getpid(), pid_start="1")
     if _store._proc_stat(os.getpid()) is not None:  # Linux: a live pid with another start time was reused
         assert store.get_run(rid).status == "failed"
 
@@ -690,12 +692,9 @@ def test_delete_run_removes_its_rows_and_leaves_the_store_clean(store: RunStore)
     assert [r.run_id for r in store.list_runs()] == [keep]
     with pytest.raises(StoreError, match="no run with id"):
         store.get_run(gone)
-    con = sqlite3.connect(store.path)
-    try:
+    with raw(store) as con:
         for table in ("runs", "scalars", "events", "run_heads"):
             assert con.execute(f"SELECT COUNT(*) FROM {table} WHERE run_id = ?", (gone,)).fetchone()[0] == 0
-    finally:
-        con.close()
     report = store.check()
     assert report.ok and [r.state for r in report.runs] == ["ok"], report.lines()
     assert store.scalars(keep)["train/loss"][1].size == 10 and len(store.events(keep)) == 1

@@ -26,10 +26,10 @@ def _new(store: RunStore) -> str:
     return store.create_run(name="r", config={}, manifest={})
 
 
-# -- fencing within one process: two RunStore objects are two writers ------------------------------------------------
+# -- fencing within one process: two RunStore objects are two writers (each backend: store_location) -----------
 
-def test_a_reopened_run_fences_its_earlier_writer(tmp_path: Path) -> None:
-    path = tmp_path / "runs.db"
+def test_a_reopened_run_fences_its_earlier_writer(store_location: str) -> None:
+    path = store_location
     with RunStore(path) as first, RunStore(path) as second, RunStore(path) as bystander:
         rid = _new(first)
         first.log_scalars(rid, 1, {"train/loss": 1.0})
@@ -53,10 +53,10 @@ def test_a_reopened_run_fences_its_earlier_writer(tmp_path: Path) -> None:
         assert second.get_run(rid).status == "completed" and second.verify_run(rid).state == "ok"
 
 
-def test_a_non_owner_marking_the_run_failed_revokes_the_attempt(tmp_path: Path) -> None:
+def test_a_non_owner_marking_the_run_failed_revokes_the_attempt(store_location: str) -> None:
     """The launcher's finish_run(failed) (it never claimed the run) ends the workers' attempt: a worker group that
     outlived torchrun cannot flip the failed run to completed."""
-    path = tmp_path / "runs.db"
+    path = store_location
     with RunStore(path) as worker, RunStore(path) as launcher:
         rid = _new(worker)
         worker.log_scalars(rid, 1, {"train/loss": 1.0})
@@ -75,8 +75,8 @@ def test_a_non_owner_marking_the_run_failed_revokes_the_attempt(tmp_path: Path) 
             assert resumer.get_run(rid).status == "completed"
 
 
-def test_the_owner_keeps_its_claim_across_its_own_writes(tmp_path: Path) -> None:
-    with RunStore(path := tmp_path / "runs.db") as s:
+def test_the_owner_keeps_its_claim_across_its_own_writes(store_location: str) -> None:
+    with RunStore(path := store_location) as s:
         rid = _new(s)
         s.finish_run(rid, status="failed", error="x")  # the owner's own finish keeps its attempt
         s.reopen_run(rid, from_step=0)

@@ -26,12 +26,13 @@ from ._runs import add_store_arg, store_path
 
 def cmd_store_check(args: argparse.Namespace) -> int:
     from ..runs._store import RunStore, StoreCorrupt
+    from ..runs._store_pg import is_url, redact
 
     path = store_path(args)
     try:
         store = RunStore(path, create=False)
     except StoreCorrupt as e:  # SQLite cannot even read the schema
-        print(f"store {path}: CORRUPT: {e}")
+        print(f"store {redact(path) if is_url(path) else path}: CORRUPT: {e}")
         return 1
     with store:
         report = store.check()

@@ -223,7 +223,7 @@ class PostgresBackend:
         if isinstance(e, self.psycopg.OperationalError):
             return StoreError(f"lost the connection to the run store at {self.where} ({msg}); the next call "
                               "connects again")
-        if isinstance(e, ValueError | self.psycopg.DataError) and ("NUL" in msg or "0x00" in msg):
+        if isinstance(e, self.psycopg.DataError) and "NUL" in msg:  # psycopg refuses it before sending
             return StoreError(f"the run store at {self.where} cannot hold a NUL character in text ({msg})")
         return StoreError(f"run store at {self.where}: {msg}")
 
@@ -254,9 +254,7 @@ class PostgresBackend:
                 if time.monotonic() >= deadline:
                     raise self._translate(e) from e
                 delay = back_off(delay)
-            except (psycopg.Error, ValueError) as e:  # ValueError: psycopg refuses a NUL in text before sending it
-                if isinstance(e, ValueError) and not isinstance(e, psycopg.Error) and "NUL" not in str(e):
-                    raise
+            except psycopg.Error as e:
                 raise self._translate(e) from e
 
     def lock_run(self, c: Connection, run_id: str) -> None:
