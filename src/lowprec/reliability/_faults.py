@@ -25,64 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from .._checks import check_bool, check_int, check_literal, check_str
+from .._checks import check_int
 from .._errors import UsageError
+from ._fault import Fault, Mode
 
-Target = Literal["weight", "grad", "activation"]
-Mode = Literal["flip", "set", "clear"]
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
              torch.float16: torch.int16}
 _BITS = {torch.float32: 32, torch.float64: 64, torch.bfloat16: 16, torch.float16: 16}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Fault:
-    """One injected fault (module docstring)."""
-
-    target: Target
-    tensor: str
-    """A parameter's qualified name (``"fc1.weight"``) for weight / grad faults, a module's for activations."""
-    step: int
-    rank: int | None = None
-    index: int = 0
-    bit: int = 30
-    mode: Mode = "flip"
-    persistent: bool = False
-
-    def __post_init__(self) -> None:
-        check_literal(self.target, "Fault.target", Target)
-        check_str(self.tensor, "Fault.tensor", empty=self.target == "activation")
-        check_int(self.step, "Fault.step", 0)
-        if self.rank is not None:
-            check_int(self.rank, "Fault.rank", 0)
-        check_int(self.index, "Fault.index", 0)
-        check_int(self.bit, "Fault.bit", 0, 63)
-        check_literal(self.mode, "Fault.mode", Mode)
-        check_bool(self.persistent, "Fault.persistent")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Fault:
-        """A fault from a config table (``[[faults]]``); unknown keys are a UsageError naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise UsageError(f"[[faults]]: unknown key(s) {unknown}; valid: {', '.join(sorted(names))}")
-        return cls(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``[[faults]]`` table of this fault (None rank left out: TOML has no null)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-    def active(self, step: int, rank: int) -> bool:
-        """Whether this fault applies at ``step`` on ``rank``."""
-        if self.rank is not None and self.rank != rank:
-            return False
-        return step >= self.step if self.persistent else step == self.step
 
 
 @dataclasses.dataclass(frozen=True)

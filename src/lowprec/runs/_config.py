@@ -39,7 +39,7 @@ from .._parse import MAX_NESTING as MAX_NESTING  # re-exported: the limit config
 from .._parse import parse_json, parse_toml, read_text_file
 from ..recipes import Recipe
 from ..reliability._config import ReliabilityConfig
-from ..reliability._faults import Fault
+from ..reliability._fault import Fault
 
 DEFAULT_STORE = "lowprec-runs/runs.db"
 OptimizerName = Literal["adamw", "sgd"]
