@@ -143,6 +143,7 @@ def test_docs_reliability_config_and_matrix_are_current() -> None:
     from pathlib import Path
 
     from _fault_matrix import markdown_table
+
     from lowprec.reliability._config import ReliabilityConfig
     from lowprec.runs._config import RunConfig
 
