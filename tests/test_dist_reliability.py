@@ -4,6 +4,9 @@ docs/debugging.md is this test's output)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from lowprec.testing import torchrun
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("_dist_reliability_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
 ALARMS = ("rerun", "sdc", "spike")
 
 
@@ -48,3 +52,38 @@ def test_fault_detected_and_attributed(matrix: dict[str, list[dict]], sc: Scenar
 @pytest.mark.parametrize("task", CLEAN_TASKS)
 def test_no_false_alarm_on_clean_zoo_runs(matrix: dict[str, list[dict]], task: str) -> None:
     assert matrix[f"clean/{task}"] == []
+
+
+def _cli(tmp_path: Path, toml: str) -> tuple[subprocess.CompletedProcess[str], RunStore]:
+    (tmp_path / "c.toml").write_text(toml)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "lowprec.cli", "run", "c.toml", "--quiet"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    return p, RunStore(tmp_path / "lowprec-runs" / "runs.db", create=False)
+
+
+DDP = '[parallel]\nstrategy = "ddp"\nworld_size = 2\n'
+
+
+def test_cli_ddp_persistent_fault_stops_the_run_naming_the_rank(tmp_path: Path) -> None:
+    p, store = _cli(tmp_path, 'model = "mlp-digits"\nsteps = 8\nthreads = 1\n' + DDP +
+                    '[[faults]]\ntarget = "grad"\ntensor = "head.weight"\nstep = 3\nrank = 1\npersistent = true\n')
+    assert p.returncode == 0, p.stderr
+    (rec,) = store.list_runs()
+    assert rec.status == "failed" and rec.error.startswith("stopped: step 3 rejected (nonfinite): persistent")
+    (ev,) = store.events(rec.run_id, kind="rerun")
+    assert ev["payload"]["ranks"] == [1] and ev["payload"]["action"] == "stop"
+    assert "failed" in p.stdout
+
+
+def test_cli_ddp_spike_rolls_back_and_completes(tmp_path: Path) -> None:
+    p, store = _cli(tmp_path, 'model = "_faulty_tasks:spike_at"\nsteps = 16\nthreads = 1\n'
+                    '[model_options]\nstep = 9\n[checkpoint]\ninterval = 4\n[reliability]\nspike = "robust"\n' + DDP)
+    assert p.returncode == 0, p.stderr
+    (rec,) = store.list_runs()
+    assert rec.status == "completed"
+    (rb,) = store.events(rec.run_id, kind="rollback")
+    assert rb["payload"]["from_step"] == 10 and rb["payload"]["to_step"] == 8
+    (rerun,) = store.events(rec.run_id, kind="rerun")
+    assert rerun["payload"]["verdict"] == "reproducible" and "another rank" in rerun["payload"]["detail"]
+    assert list(store.scalars(rec.run_id)["train/loss"][0]) == list(range(1, 17))

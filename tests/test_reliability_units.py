@@ -131,8 +131,8 @@ def test_diagnose_every_verdict() -> None:
 def test_odd_ranks_votes_and_ties() -> None:
     assert odd_ranks([[1, 2], [1, 2], [1, 3]], None) == ([2], [1])
     assert odd_ranks([[1, 2], [1, 3]], None) == ([0, 1], [1])  # two replicas: no majority
-    comps = [_c(0, 0, 1.0), _c(1, 1, float("inf"))]
-    assert odd_ranks([[1, 2], [1, 3]], comps) == ([1], [1])  # the non-finite one
+    comps = [_c(0, 0, 5.0), _c(1, 1, 1.0, norm=float("inf"))]
+    assert odd_ranks([[1, 2], [1, 3]], comps) == ([1], [1])  # the non-finite norm (losses: other shards)
     assert odd_ranks([[4], [4]], None) == ([], [])
 
 

@@ -146,8 +146,8 @@ def odd_ranks(values: Sequence[Sequence[int]],
     """Replicas that must agree (one digest row per rank): (odd ranks, indices of the columns that disagree).
 
     A rank is odd when it differs from the strict majority of a column; a column without one (two replicas that
-    disagree) names the rank whose computation is further from acceptable (``_badness``), or, without
-    computations to judge, every rank of the column."""
+    disagree) names the rank whose gradient norm is further from acceptable (non-finite, else larger; the
+    losses are of different shards), or, without computations to judge, every rank of the column."""
     if len(values) < 2 or not values[0]:
         return [], []
     cols = [i for i in range(len(values[0])) if len({row[i] for row in values}) > 1]
@@ -157,8 +157,8 @@ def odd_ranks(values: Sequence[Sequence[int]],
         top, n = counts.most_common(1)[0]
         if 2 * n > len(values):
             odd.update(r for r, row in enumerate(values) if row[i] != top)
-        elif computations is not None:
-            odd.add(max(range(len(values)), key=lambda r: _badness(computations[r])))
+        elif computations is not None:  # replicas compute different shards: only their gradient norms compare
+            odd.add(max(range(len(values)), key=lambda r: _badness(computations[r])[2:]))
         else:
             odd.update(range(len(values)))
     return sorted(odd), cols

@@ -48,6 +48,10 @@ CONFIG_DIR_ENV = "LOWPREC_CONFIG_DIR"
 while resolving ``model`` (``_runner.build_task``), as the parent process does."""
 
 
+STOPPED = "stopped: "
+"""How the error of a run a ``[reliability]`` policy stopped begins (``RunLifecycle.finish``)."""
+
+
 class RunFailed(RuntimeError):
     """A run (or a worker of it) failed; the reason is recorded in the run store."""
 
@@ -100,8 +104,9 @@ def launch(config: RunConfig, *, seed: int, batch_size: int, store: RunStore, re
         env[CONFIG_DIR_ENV] = config.config_dir
     rc, received = run_torchrun(cmd, env)
     rec = _find(store, run_id)
-    if rec is not None and rec.status in ("completed", "diverged") and (rc == 0 or received):
-        return run_id  # finished (a diverged run is a result too) before a signal could stop it
+    stopped = rec is not None and rec.status == "failed" and (rec.error or "").startswith(STOPPED)
+    if rec is not None and (rec.status in ("completed", "diverged") or stopped) and (rc == 0 or received):
+        return run_id  # finished (a diverged run, or one a reliability policy stopped, is a result too)
     interrupted = (f"interrupted by {signal.Signals(received[0]).name} (forwarded to torchrun's process group)"
                    if received else None)
     if rec is None:

@@ -280,7 +280,9 @@ class RunLifecycle:
         if not self.is_main:
             return
         if self.stop_reason is not None:
-            self.store.finish_run(self.run_id, status="failed", error=f"stopped: {self.stop_reason}")
+            from ._launch import STOPPED
+
+            self.store.finish_run(self.run_id, status="failed", error=f"{STOPPED}{self.stop_reason}")
             if self.progress:
                 print(f"run {self.run_id} stopped: {self.stop_reason}", flush=True)
             return
