@@ -65,15 +65,29 @@ def _cli(tmp_path: Path, toml: str) -> tuple[subprocess.CompletedProcess[str], R
 DDP = '[parallel]\nstrategy = "ddp"\nworld_size = 2\n'
 
 
-def test_cli_ddp_persistent_fault_stops_the_run_naming_the_rank(tmp_path: Path) -> None:
+def test_cli_ddp_persistent_nonfinite_fault_diverges_naming_the_rank(tmp_path: Path) -> None:
     p, store = _cli(tmp_path, 'model = "mlp-digits"\nsteps = 8\nthreads = 1\n' + DDP +
                     '[[faults]]\ntarget = "grad"\ntensor = "head.weight"\nstep = 3\nrank = 1\npersistent = true\n')
     assert p.returncode == 0, p.stderr
     (rec,) = store.list_runs()
-    assert rec.status == "failed" and rec.error.startswith("stopped: step 3 rejected (nonfinite): persistent")
+    assert rec.status == "diverged"  # a non-finite step that stops is localised and "diverged", as ever ...
     (ev,) = store.events(rec.run_id, kind="rerun")
-    assert ev["payload"]["ranks"] == [1] and ev["payload"]["action"] == "stop"
-    assert "failed" in p.stdout
+    assert ev["payload"]["verdict"] == "persistent" and ev["payload"]["ranks"] == [1]  # ... with its device
+    assert ev["payload"]["action"] == "stop" and store.events(rec.run_id, kind="nonfinite")
+    assert "diverged" in p.stdout
+
+
+def test_cli_ddp_persistent_finite_fault_stops_the_run_failed(tmp_path: Path) -> None:
+    p, store = _cli(tmp_path, 'model = "mlp-digits"\nsteps = 8\nthreads = 1\nbatch_size = 60\n'
+                    + DDP.replace("world_size = 2", "world_size = 3")
+                    + '[reliability]\nreplay_every = 2\nfingerprints = true\n'
+                    '[[faults]]\ntarget = "activation"\ntensor = "layers.1"\nstep = 3\nrank = 2\nbit = 6\n'
+                    'persistent = true\nindex = 9\n')
+    assert p.returncode == 0, p.stderr
+    (rec,) = store.list_runs()
+    assert rec.status == "failed" and rec.error.startswith("stopped: step 4 rejected (sampled replay): persistent")
+    (ev,) = store.events(rec.run_id, kind="rerun")
+    assert ev["payload"]["ranks"] == [2] and "failed" in p.stdout
 
 
 def test_cli_ddp_spike_rolls_back_and_completes(tmp_path: Path) -> None:

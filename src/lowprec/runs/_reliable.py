@@ -193,8 +193,8 @@ class Guard:
         if action == "rollback":
             self._rollback(st, life, step1, reason)
             return Outcome("rollback", reason=reason)
-        if action == "stop" and reason == "nonfinite" and (diag is None or diag.verdict == "reproducible"):
-            return Outcome("diverge", reason=what)
+        if action == "stop" and reason == "nonfinite":  # localised and "diverged", as before; the rerun event
+            return Outcome("diverge", reason=what)     # says whether a device was at fault
         return Outcome("stop", reason=what)
 
     def _accept(self, loss: float) -> None:
