@@ -88,22 +88,15 @@ class Guard:
     def load(self, life: RunLifecycle, st: State) -> None:
         """Read the ledger, the rollback count and the loss history of a resumed (or rolled-back) run: rank 0 from
         the store, every rank the same."""
+        if st.step == 0:
+            return  # a new run: nothing recorded yet
         data: Any = None
-        if st.world.is_main and st.step > 0:
-            store = life.store
-            events = store.events(life.run_id, verify=False)
-            losses: list[float] = []
-            if self.detector is not None:
-                steps, values = store.scalars(life.run_id, verify=False).get("train/loss", ((), ()))
-                losses = [float(v) for s, v in zip(steps, values, strict=True) if s <= st.step]
-            data = ([e for e in events if e["kind"] == "skip"], sum(e["kind"] == "rollback" for e in events), losses)
-        data = st.world.broadcast(data)
-        if data is None:
-            return
-        skips, self.rollbacks, losses = data
+        if st.world.is_main:
+            events = life.store.events(life.run_id, verify=False)
+            data = ([e for e in events if e["kind"] == "skip"], sum(e["kind"] == "rollback" for e in events))
+        skips, self.rollbacks = st.world.broadcast(data)
         self.ledger = SkipLedger.from_events(skips)
-        if self.detector is not None:
-            self.detector.reset(losses)
+        self.load_history(life, st)
 
     # -- the step -------------------------------------------------------------------------------------------------
     def batch(self, step: int) -> int:
@@ -253,24 +246,23 @@ class Guard:
             if diagnose(originals, third, None, names=self.names, replicas=self.replicas).verdict != "transient":
                 diag = dataclasses.replace(diag, detail=diag.detail + " (in the rerun: a third computation "
                                            "agrees with the original)")
-                for p, g in zip(self.params, original_grads, strict=True):
-                    p.grad = g
-                after_original.restore(model)
+                self._put(original_grads, after_original, model)
                 return diag, Outcome(reason=reason)
-            for p, g in zip(self.params, rerun_grads, strict=True):
-                p.grad = g
         rerun_loss = sum(r.loss for r in reruns) / len(reruns)
         use_rerun = (diag.verdict == "transient" and math.isfinite(rerun_loss)
                      and all(math.isfinite(r.grad_norm) for r in reruns)
                      and (self.detector is None or self.detector.check(rerun_loss) is None))
-        keep, state = (rerun_grads, after_rerun) if use_rerun else (original_grads, after_original)
-        for p, g in zip(self.params, keep, strict=True):
-            p.grad = g
-        state.restore(model)
+        self._put(*((rerun_grads, after_rerun) if use_rerun else (original_grads, after_original)), model)
         out = Outcome(reason=reason)
         if use_rerun:
             out.loss, out.norm = rerun_loss, rerun_norm
         return diag, out
+
+    def _put(self, grads: list[Any], state: Snapshot, model: torch.nn.Module) -> None:
+        """Leave one computation's gradients and buffers in place: the step continues from it."""
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+        state.restore(model)
 
     def _comparable(self, c: Computation) -> Computation:
         """``c`` without its gradients while they cannot be compared bit for bit (``unbucketed``)."""
@@ -297,7 +289,8 @@ class Guard:
         self.load_history(life, st)
 
     def load_history(self, life: RunLifecycle, st: State) -> None:
-        """After a rollback: the detector's history is the stored curve up to the checkpoint's step."""
+        """After a resume or a rollback: the detector's history is the stored curve up to the checkpoint's
+        step."""
         if self.detector is None:
             return
         losses: Any = None

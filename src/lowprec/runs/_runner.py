@@ -118,13 +118,11 @@ def _forward_backward(task: Task, st: State, r: ResolvedConfig, batch: int, *, r
     model = unwrap(st.model) if replay else st.model
     guard = st.guard
     step1 = st.step + 1
-    if guard is not None:
-        guard.before_forward(step1, rerun or replay)
+    guard.before_forward(step1, rerun or replay)
     loss = batch_loss(model, data, task.loss_fn)
     st.optimizer.zero_grad()
     st.optimizer.scale_loss(loss).backward()
-    if guard is not None:
-        guard.after_backward(step1, rerun or replay)
+    guard.after_backward(step1, rerun or replay)
     if not replay:
         st.wrapped.after_backward()
     params = [p for g in st.optimizer.param_groups for p in g["params"]]
@@ -144,7 +142,7 @@ def _train_step(task: Task, st: State, r: ResolvedConfig, lr: float,
     snap = st.snapshot
     snap.take(unwrap(st.model), st.wrapped.hook_state)
     guard = st.guard
-    batch = guard.batch(st.step) if guard is not None else st.step
+    batch = guard.batch(st.step)
     loss, norm = _forward_backward(task, st, r, batch)
     unskipped_bad = not math.isfinite(norm) and not st.optimizer.scaler.enabled
     # one all-reduce: the mean loss, and whether any rank's gradient norm is non-finite (under DDP each rank
@@ -153,24 +151,21 @@ def _train_step(task: Task, st: State, r: ResolvedConfig, lr: float,
     comm = None if st.wrapped.comm_bytes is None else float(st.wrapped.comm_bytes())
     bad: dict[str, Any] | None = None
     end = ""
-    update, examined = True, False
     t1 = time.perf_counter()
-    if guard is not None:
-        out = guard.check(st, life, st.step + 1, loss, norm, global_loss, any_bad, snap,
-                          lambda sh, again: _forward_backward(task, st, r, batch, shard=sh, rerun=again))
-        if out.action == "rollback":
-            return None
-        if out.loss is not None:
-            global_loss = out.loss
-        if out.norm is not None:
-            norm = out.norm
-        update = out.action == "ok" and not guard.update_skipped(st.step + 1)
-        examined = bool(out.reason)
-        if out.action == "stop":
-            end, update = out.reason, False
-        diverge = out.action == "diverge"
-    else:
-        diverge = not math.isfinite(global_loss) or any_bad
+    out = guard.check(st, life, st.step + 1, loss, norm, global_loss, any_bad, snap,
+                      lambda sh, again: _forward_backward(task, st, r, batch, shard=sh, rerun=again))
+    guard.unbucketed = False  # one backward done: DDP's buckets are final (``Guard.unbucketed``)
+    if out.action == "rollback":
+        return None
+    if out.loss is not None:
+        global_loss = out.loss
+    if out.norm is not None:
+        norm = out.norm
+    update = out.action == "ok" and not guard.update_skipped(st.step + 1)
+    examined = bool(out.reason)
+    if out.action == "stop":
+        end, update = out.reason, False
+    diverge = out.action == "diverge"
     if diverge:
         # every rank takes this branch together (the decision is from the all-reduced values)
         payload = replay_step(st, snap, float(loss.detach()), norm,
@@ -180,8 +175,6 @@ def _train_step(task: Task, st: State, r: ResolvedConfig, lr: float,
             st.wrapped.comm_bytes()  # drop what the replay's all-gathers added (FSDP2)
         end = "diverged"
     replay_s = time.perf_counter() - t1 if (diverge or examined) else 0.0  # reruns are not the step's time
-    if guard is not None:
-        guard.unbucketed = False  # one backward done: DDP's buckets are final (``Guard.unbucketed``)
     if update or diverge:
         st.optimizer.step()
     dt = time.perf_counter() - t0 - replay_s
@@ -215,7 +208,7 @@ def _loop(task: Task, st: State, life: RunLifecycle) -> bool:
             return None
         values, bad, end = done
         st.step += 1
-        if st.guard is not None and not end:
+        if not end:
             end = st.guard.after_step(st, life, st.step) or ""
         if end and end != "diverged":
             life.stop_reason = end
