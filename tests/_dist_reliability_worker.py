@@ -38,10 +38,10 @@ def main() -> None:
                       progress=False)
         else:
             clean = dataclasses.replace(CHECKS, spike="robust", on_spike="continue")
-            for task in CLEAN_TASKS:
-                cfg = RunConfig(model=task, steps=8, eval_interval=8, threads=1,
+            for name, (task, options) in CLEAN_TASKS.items():
+                cfg = RunConfig(model=task, model_options=options, steps=8, eval_interval=8, threads=1,
                                 parallel=ParallelConfig(strategy="ddp", world_size=world.size), reliability=clean,
-                                group=f"clean/{task}", store=store_path)
+                                group=f"clean/{name}", store=store_path)
                 train(cfg, seed=0, store=store, world=world, progress=False)
     dist.barrier()
     dist.destroy_process_group()

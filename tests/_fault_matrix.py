@@ -76,8 +76,16 @@ SCENARIOS = (
     _s("weight-stuck-r2", 'R', 3, "weight", "layers.1.bias", 2, 5, 22, persistent=True, index=7),
 )
 
-CLEAN_TASKS = ("mlp-digits", "cnn-digits", "gpt-bytes", "synthetic-regression")
-"""Zoo tasks trained clean, with every check on every step: not one alarm may be raised."""
+CLEAN_TASKS: dict[str, tuple[str, dict[str, object]]] = {
+    "mlp-digits": ("mlp-digits", {}),
+    "cnn-digits": ("cnn-digits", {}),
+    "gpt-bytes": ("gpt-bytes", {}),
+    "synthetic-regression": ("synthetic-regression", {}),
+    "hf-llama": ("hf-causal-lm", {"family": "llama"}),
+    "hf-mixtral": ("hf-causal-lm", {"family": "mixtral"}),
+}
+"""Every zoo task (hf-causal-lm as a dense and a mixture-of-experts family), by name: (model, model_options),
+trained clean with every check on every step: not one alarm may be raised."""
 
 
 def markdown_table() -> str:
