@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-REASONS = {"N": "nonfinite", "G": "gradients disagree", "R": "sampled replay"}
+REASONS = {"N": "nonfinite", "G": "gradients disagree", "R": "sampled replay", "C": "weights differ"}
 """What rejects or examines the step: a non-finite loss or gradient norm, the replicas' reduced-gradient
-checksums, the sampled replay."""
+checksums, the sampled replay; or, after the step, the replicas' weight checksums (an "sdc" event)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +29,22 @@ class Scenario:
     verdict: str
     tensor: str
     strategy: str = "ddp"
+    mesh: tuple[int, int] | None = None
+    """HSDP's (replicas, shards)."""
+    blamed: tuple[int, ...] = ()
+    """The ranks the alarm must name, when not the faulty rank alone (a weight checksum tie of two replicas)."""
 
     @property
     def rank(self) -> int:
         return int(self.fault["rank"])
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.blamed or (self.rank,))
+
+    @property
+    def layout(self) -> str:
+        return self.strategy.upper() + (f" {self.mesh[0]}x{self.mesh[1]}" if self.mesh else "")
 
     @property
     def step(self) -> int:
@@ -41,12 +53,13 @@ class Scenario:
 
 def _s(name: str, reason: str, world: int, target: str, tensor: str, rank: int, step: int, bit: int, *,
        persistent: bool = False, index: int = 5, verdict: str | None = None, expect: str | None = None,
-       strategy: str = "ddp") -> Scenario:
+       strategy: str = "ddp", mesh: tuple[int, int] | None = None, blamed: tuple[int, ...] = ()) -> Scenario:
     fault = {"target": target, "tensor": tensor, "rank": rank, "step": step, "bit": bit, "index": index,
              "persistent": persistent}
-    verdict = verdict or ("persistent" if persistent or target == "weight" else "transient")
+    verdict = verdict or ("sdc" if reason == "C" else "persistent" if persistent or target == "weight"
+                          else "transient")
     return Scenario(name, REASONS[reason], world, fault, verdict,
-                    expect or f"{target}:{tensor}", strategy)
+                    expect or (tensor if reason == "C" else f"{target}:{tensor}"), strategy, mesh, blamed)
 
 
 SCENARIOS = (
@@ -74,7 +87,24 @@ SCENARIOS = (
     _s("grad-exp-r2", 'N', 3, "grad", "layers.1.weight", 2, 3, 30, index=1000),
     _s("act-exp-r0-w3", 'N', 3, "activation", "layers.1", 0, 2, 30, index=17),
     _s("weight-stuck-r2", 'R', 3, "weight", "layers.1.bias", 2, 5, 22, persistent=True, index=7),
+    # the weight checksums alone (no replay, no gradient check: the step itself is not rejected)
+    _s("checksum-weight-r1", 'C', 3, "weight", "layers.0.weight", 1, 3, 5, index=100),
+    _s("checksum-weight-tie-r0", 'C', 2, "weight", "head.weight", 0, 4, 9, index=30, blamed=(0, 1)),
+    # HSDP: replicas of each shard across the mesh's replicate dimension must agree
+    _s("hsdp-checksum-weight-r2", 'C', 3, "weight", "layers.1.weight", 2, 4, 3, index=77, strategy="hsdp",
+       mesh=(3, 1)),
+    _s("hsdp-grad-mantissa-r0", 'G', 3, "grad", "layers.0.weight", 0, 3, 6, index=500, strategy="hsdp", mesh=(3, 1)),
+    _s("hsdp-grad-persistent-r1", 'G', 3, "grad", "head.weight", 1, 5, 4, persistent=True, strategy="hsdp",
+       mesh=(3, 1)),
+    _s("hsdp4-checksum-weight-r1", 'C', 4, "weight", "layers.0.weight", 1, 3, 7, index=1234, strategy="hsdp",
+       mesh=(2, 2), blamed=(1, 3)),
+    _s("hsdp4-grad-mantissa-r3", 'G', 4, "grad", "layers.1.weight", 3, 2, 5, index=99, strategy="hsdp",
+       mesh=(2, 2)),
+    _s("hsdp4-act-mantissa-r2", 'R', 4, "activation", "layers.0", 2, 4, 6, index=13, strategy="hsdp",
+       mesh=(2, 2)),
 )
+CHECKSUM_ONLY = "weights differ"
+"""Scenarios of this reason run with the weight checksums alone (``replay_every`` and ``grad_check_every`` 0)."""
 
 CLEAN_TASKS: dict[str, tuple[str, dict[str, object]]] = {
     "mlp-digits": ("mlp-digits", {}),
@@ -97,7 +127,8 @@ def markdown_table() -> str:
     for i, s in enumerate(SCENARIOS, 1):
         f = s.fault
         kind = "persistent" if f["persistent"] else "transient"
-        rows.append(f"| {i} | {s.world} | {s.strategy.upper()} | {f['target']} `{f['tensor']}`[{f['index']}] bit "
-                    f"{f['bit']} | {s.rank} | {s.step} | {kind} | {s.reason} | {s.verdict} | rank {s.rank}, "
-                    f"step {s.step}, `{s.tensor}` |")
+        rows.append(f"| {i} | {s.world} | {s.layout} | {f['target']} `{f['tensor']}`[{f['index']}] bit "
+                    f"{f['bit']} | {s.rank} | {s.step} | {kind} | {s.reason} | {s.verdict} | "
+                    f"rank{'s' if len(s.ranks) > 1 else ''} {', '.join(map(str, s.ranks))}, step {s.step}, "
+                    f"`{s.tensor}` |")
     return "\n".join([head, *rows])

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _fault_matrix import CLEAN_TASKS, SCENARIOS, Scenario
+from _fault_matrix import CHECKSUM_ONLY, CLEAN_TASKS, SCENARIOS, Scenario
 
 from lowprec.runs._store import RunStore
 from lowprec.testing import torchrun
@@ -33,9 +33,10 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
 
 def test_matrix_is_large_enough() -> None:
     assert len(SCENARIOS) >= 20
-    assert {s.verdict for s in SCENARIOS} == {"transient", "persistent"}
+    assert {s.verdict for s in SCENARIOS} == {"transient", "persistent", "sdc"}
     assert {s.fault["target"] for s in SCENARIOS} == {"weight", "grad", "activation"}
-    assert {s.rank for s in SCENARIOS} == {0, 1, 2}
+    assert {s.rank for s in SCENARIOS} == {0, 1, 2, 3}
+    assert {s.layout for s in SCENARIOS} >= {"DDP", "FSDP2", "HSDP 3x1", "HSDP 2x2"}
 
 
 @pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: s.name)
@@ -44,8 +45,12 @@ def test_fault_detected_and_attributed(matrix: dict[str, list[dict]], sc: Scenar
     assert events, f"{sc.name}: not detected"
     first = events[0]
     p = first["payload"]
+    if sc.reason == CHECKSUM_ONLY:  # the replicas' weights compared after the step
+        assert first["kind"] == "sdc" and first["step"] == sc.step, (first, sc)
+        assert p["check"] == "weights" and p["ranks"] == sc.ranks and p["tensors"] == [sc.tensor], p
+        return
     assert first["kind"] == "rerun" and first["step"] == sc.step, (first, sc)  # no false alarm before the fault
-    assert p["reason"] == sc.reason and p["verdict"] == sc.verdict and p["ranks"] == [sc.rank], p
+    assert p["reason"] == sc.reason and p["verdict"] == sc.verdict and p["ranks"] == sc.ranks, p
     assert sc.tensor in p["tensors"], p
 
 

@@ -4,12 +4,14 @@ ledger (hand-worked batch maps) and diagnose (hand-made computations of every ve
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from lowprec.accuracy._stats import find_spike
-from lowprec.reliability._diagnose import Computation, diagnose, odd_ranks
+from lowprec.reliability._diagnose import Computation, diagnose, odd_in_groups, odd_ranks, replica_groups
 from lowprec.reliability._digest import ModuleFingerprints, digest, first_difference
 from lowprec.reliability._faults import alter_bit
 from lowprec.reliability._ledger import SkipLedger
@@ -126,6 +128,34 @@ def test_diagnose_every_verdict() -> None:
     sw = [_c(0, 1, 2.0), _c(1, 2, 3.0), _c(2, 0, 1.0)]
     d = diagnose(rer, rer, sw, names=NAMES, replicas=True)
     assert d.verdict == "persistent" and d.ranks == (1,) and d.tensors == ("weight:b",)
+
+
+def test_replica_groups_follow_the_mesh() -> None:
+    assert replica_groups("ddp", 3) == [[0, 1, 2]]
+    assert replica_groups("fsdp2", 4) == [] and replica_groups("ddp", 1) == [] and replica_groups("single", 2) == []
+    # init_device_mesh's row-major order: rank r * shards + s is replica r of shard s
+    assert replica_groups("hsdp", 4, (2, 2)) == [[0, 2], [1, 3]]
+    assert replica_groups("hsdp", 6, (3, 2)) == [[0, 2, 4], [1, 3, 5]]
+    assert replica_groups("hsdp", 3, (3, 1)) == [[0, 1, 2]]
+    assert replica_groups("hsdp", 4, (1, 4)) == []  # one replica: FSDP2
+    with pytest.raises(ValueError, match="does not hold"):
+        replica_groups("hsdp", 4, (3, 2))
+
+
+def test_odd_in_groups_votes_within_each_group() -> None:
+    # HSDP 3x2: shard 0 on ranks 0, 2, 4; shard 1 on ranks 1, 3, 5 (different digests: different shards)
+    rows = [[10, 1], [20, 2], [10, 1], [20, 9], [10, 1], [20, 2]]
+    groups = replica_groups("hsdp", 6, (3, 2))
+    assert odd_in_groups(rows, groups) == ([3], [1])
+    assert odd_ranks(rows, None)[1] == [0, 1]  # one vote over every rank would see the shards as disagreeing
+    assert odd_in_groups([[1], [2], [1], [2]], [[0, 2], [1, 3]]) == ([], [])
+    assert odd_in_groups([[1], [2], [1], [5]], [[0, 2], [1, 3]]) == ([1, 3], [0])  # two replicas: a tie
+    # diagnose votes within the groups too: rank 3's weights differ from its replica's majority
+    rer = [_c(r, r, 1.0 + r, weights=(r % 2, 7 if r == 3 else 1)) for r in range(6)]
+    sw = [_c(r, (r + 1) % 6, 2.0 + r, weights=rer[r].weights) for r in range(6)]
+    d = diagnose(rer, rer, [dataclasses.replace(c, loss=rer[c.shard].loss) for c in sw], names=NAMES,
+                 replicas=groups)
+    assert d.verdict == "persistent" and d.ranks == (3,) and d.tensors == ("weight:b",)
 
 
 def test_odd_ranks_votes_and_ties() -> None:

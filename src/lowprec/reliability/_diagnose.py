@@ -18,10 +18,10 @@ of from a checkpoint on other nodes):
   (a fault after the reduction); the tensor is the first module whose output fingerprint changed, else (a fault
   after the reduction) the gradients that changed;
 * the rerun reproduces it, and some shard computed by two ranks differs, or the replicas' weights or reduced
-  gradients (identical by construction under DDP) disagree: **persistent**, on the rank common to every
-  disagreement; with two ranks every disagreement involves both, and the faulty one is taken to be the one whose
-  result is further from acceptable (non-finite, else the larger loss or gradient norm: the direction of a
-  rejection) -- an assumption, stated in the diagnosis;
+  gradients (identical by construction under DDP, and within each group of HSDP replicas) disagree:
+  **persistent**, on the rank common to every disagreement; with two ranks every disagreement involves both, and
+  the faulty one is taken to be the one whose result is further from acceptable (non-finite, else the larger loss
+  or gradient norm: the direction of a rejection) -- an assumption, stated in the diagnosis;
 * otherwise **reproducible**: the data or the numerics (a single process cannot tell these from a persistent
   fault of its own device, and says so).
 """
@@ -164,12 +164,46 @@ def odd_ranks(values: Sequence[Sequence[int]],
     return sorted(odd), cols
 
 
+def replica_groups(strategy: str, world: int, mesh_shape: tuple[int, int] | None = None) -> list[list[int]]:
+    """The groups of ranks that hold identical weights and reduced gradients, so their digests must agree.
+
+    DDP: every rank, one group.  HSDP on a ``(replicas, shards)`` mesh (rank ``r * shards + s`` is replica ``r``
+    of shard ``s``, the row-major order of ``init_device_mesh``): one group per shard position, its ``replicas``
+    ranks holding the same shard.  FSDP2 (one replica) and a single process: none."""
+    if world < 2:
+        return []
+    if strategy == "ddp":
+        return [list(range(world))]
+    if strategy == "hsdp":
+        reps, shards = mesh_shape or (1, world)
+        if reps * shards != world:
+            raise ValueError(f"replica_groups: mesh {mesh_shape} does not hold {world} ranks")
+        return [[r * shards + s for r in range(reps)] for s in range(shards)] if reps > 1 else []
+    return []
+
+
+def odd_in_groups(values: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
+                  computations: Sequence[Computation] | None = None) -> tuple[list[int], list[int]]:
+    """``odd_ranks`` within each group of replicas (``values`` and ``computations`` indexed by global rank):
+    (odd global ranks, indices of the columns that disagree in some group)."""
+    odd: set[int] = set()
+    cols: set[int] = set()
+    for g in groups:
+        sub = [values[r] for r in g]
+        o, c = odd_ranks(sub, None if computations is None else [computations[r] for r in g])
+        odd.update(g[i] for i in o)
+        cols.update(c)
+    return sorted(odd), sorted(cols)
+
+
 def diagnose(original: Sequence[Computation], rerun: Sequence[Computation],
-             swapped: Sequence[Computation] | None, *, names: Sequence[str], replicas: bool) -> Diagnosis:
+             swapped: Sequence[Computation] | None, *, names: Sequence[str],
+             replicas: bool | Sequence[Sequence[int]]) -> Diagnosis:
     """The verdict from the computations of every rank (module docstring).  ``original[r]`` / ``rerun[r]``: rank
     r on its own shard; ``swapped[r]``: rank r on shard ``(r + 1) % W`` (None: not run, one process);
-    ``names``: the parameters the digests follow; ``replicas``: every rank holds full, identical weights and
-    gradients (DDP), so their digests must agree."""
+    ``names``: the parameters the digests follow; ``replicas``: the groups of ranks that hold identical weights
+    and reduced gradients, so their digests must agree (``replica_groups``; True: every rank, as under DDP;
+    False: none)."""
     world = len(original)
     diffs = {str(o.rank): _changes(o, r, names) for o, r in zip(original, rerun, strict=True)}
     diffs = {k: v for k, v in diffs.items() if v}
@@ -198,10 +232,11 @@ def diagnose(original: Sequence[Computation], rerun: Sequence[Computation],
     suspects: list[set[int]] = []
     tensors = []
     differed: dict[str, list[str]] = {}
-    if replicas:
+    groups = [list(range(world))] if replicas is True else [] if replicas is False else [list(g) for g in replicas]
+    if groups:
         for field, kind in (("weights", "weight"), ("grads", "grad")):
             rows = [getattr(c, field) for c in rerun]
-            odd, cols = odd_ranks(rows, rerun)
+            odd, cols = odd_in_groups(rows, groups, rerun)
             if odd:
                 suspects.append(set(odd))
                 tensors += [f"{kind}:{names[i]}" for i in cols]

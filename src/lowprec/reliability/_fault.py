@@ -23,6 +23,8 @@ class Fault:
     step: int
     rank: int | None = None
     index: int = 0
+    """The element (row-major) of the tensor; of a sharded (FSDP2/HSDP) parameter or gradient, of this rank's local
+    shard."""
     bit: int = 30
     mode: Mode = "flip"
     persistent: bool = False

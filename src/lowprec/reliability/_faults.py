@@ -32,6 +32,7 @@ from torch import nn
 
 from .._checks import check_int
 from .._errors import UsageError
+from ._digest import local
 from ._fault import Fault, Mode
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
@@ -57,7 +58,11 @@ class Injection:
 
 
 def alter_bit(t: torch.Tensor, index: int, bit: int, mode: Mode = "flip") -> tuple[float, float]:
-    """Change bit ``bit`` of element ``index`` (row-major) of ``t`` in place; ``(value before, value after)``."""
+    """Change bit ``bit`` of element ``index`` (row-major) of ``t`` in place; ``(value before, value after)``.
+
+    A DTensor (an FSDP2/HSDP parameter or gradient) is altered in this rank's local shard, ``index`` counting the
+    shard's elements: a fault is in one device's memory, and no collective runs."""
+    t = local(t)
     if t.dtype not in _INT_VIEW:
         raise UsageError(f"fault injection: tensors of dtype {t.dtype} are not supported (float32, float64, "
                          "bfloat16, float16)")

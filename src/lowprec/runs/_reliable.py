@@ -11,7 +11,8 @@
    computing its neighbour's batch shard; ``lowprec.reliability.diagnose`` gives the verdict (transient /
    persistent / reproducible) and the config's policy the action: continue (with the rerun's result for a
    transient fault), skip the update, roll back, stop, or stop as "diverged" (a reproducible non-finite step);
-3. ``after_step``: every ``checksum_every`` steps the replicas' weight digests are compared.
+3. ``after_step``: every ``checksum_every`` steps the replicas' weight digests are compared (DDP: every rank;
+   HSDP: the replicas of each shard, across the replicate dimension of the mesh).
 
 Every rank takes every decision from the same gathered data, so the ranks never part ways in a collective.  Each
 diagnosis is a "rerun" event (with the reason: "nonfinite", "spike", "gradients disagree", "sampled replay"), a
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..reliability._diagnose import Computation, Diagnosis, diagnose, odd_ranks
+from ..reliability._diagnose import Computation, Diagnosis, diagnose, odd_in_groups, replica_groups
 from ..reliability._digest import ModuleFingerprints, digests, local
 from ..reliability._faults import FaultInjector
 from ..reliability._ledger import SkipLedger
@@ -77,9 +78,12 @@ class Guard:
         if self.fingerprints is not None:
             self.fingerprints.enabled = False
         self.rollbacks = 0
-        self.replicas = st.world.distributed and st.world.strategy == "ddp"
+        w = st.world
+        self.replicas = replica_groups(w.strategy, w.size, w.mesh_shape) if w.distributed else []
+        """Groups of ranks whose weights and reduced gradients must agree: DDP's every rank; HSDP's replicas of
+        each shard; none under FSDP2."""
         self._reported = 0
-        self.unbucketed = self.replicas and st.world.size > 2
+        self.unbucketed = w.distributed and w.strategy == "ddp" and w.size > 2
         """DDP rebuilds its gradient buckets once, after the first backward of the process: a rerun of that step
         all-reduces with other buckets, which with three or more ranks sums in another order (two operands
         commute), so its gradients are not compared bit for bit (its forward still is)."""
@@ -144,7 +148,7 @@ class Guard:
                 reason, evidence = "spike", spike
         if not reason and self.replicas and self._due(c.grad_check_every, step1):
             rows = world.all_gather(digests(p.grad for p in self.params))
-            odd, cols = odd_ranks(rows, None)
+            odd, cols = odd_in_groups(rows, self.replicas)
             if cols:
                 reason = "gradients disagree"
                 evidence = {"tensors": [self.names[i] for i in cols], "ranks": odd}
@@ -311,11 +315,11 @@ class Guard:
         if not (self.replicas and self._due(self.cfg.checksum_every, step1)):
             return None
         rows = st.world.all_gather(digests(self.params))
-        odd, cols = odd_ranks(rows, None)
+        odd, cols = odd_in_groups(rows, self.replicas)
         if not cols:
             return None
         tensors = [self.names[i] for i in cols]
-        tie = len(rows) == 2
+        tie = len(self.replicas[0]) == 2
         payload = {"check": "weights", "ranks": odd, "tensors": tensors, "action": self.cfg.on_sdc,
                    "detail": (f"the replicas' weights differ in {', '.join(tensors[:4])}"
                               + (": with two replicas a vote cannot tell which holds the right values" if tie else
