@@ -20,11 +20,12 @@ it survives restarts), and trains on from the checkpoint without them, as PaLM d
 ``max_rollbacks`` rollbacks per run (then the run stops): a persistent fault would otherwise roll back forever.
 
 Silent-data-corruption checks (data-parallel runs; the runner's side: ``lowprec.runs._reliable``), each every N
-steps (0: off): ``checksum_every`` compares every replica's weight digests (DDP; HSDP: the replicas of each shard),
-``grad_check_every`` the reduced gradients' digests (likewise), ``replay_every`` runs a step again and compares loss, gradient norm and gradient digests (any
-layout, one process included).  A mismatch is an "sdc" event naming the ranks and tensors; ``on_sdc`` says
-whether the run "stop"s (default) or "continue"s.  ``fingerprints`` records a digest of every module's output on
-every step (one extra pass over each activation: opt-in), so a transient fault is attributed to the module whose
+steps (0: off): ``checksum_every`` compares every replica's weight digests (DDP; HSDP: the replicas of each
+shard), ``grad_check_every`` the reduced gradients' digests (likewise), ``replay_every`` runs a step again and
+compares loss, gradient norm and gradient digests (any layout, one process included).  A mismatch is an "sdc"
+event naming the ranks and tensors; ``on_sdc`` says whether the run "stop"s (default) or "continue"s.
+``fingerprints`` records a digest of every module's output on every step (one extra pass over each activation:
+opt-in), so a transient fault is attributed to the module whose
 output changed.
 """
 
