@@ -27,7 +27,7 @@ from torch import nn
 import lowprec
 import lowprec.nn._linear as lin_mod
 from lowprec import formats
-from lowprec.quant import QuantSpec, _backend, _native
+from lowprec.quant import QuantSpec, _backend, _native, _native_group
 from lowprec.quant._elementwise import fast_round_ok, round_nearest_fast
 from lowprec.quant._round import quantize_f32
 from lowprec.quant._scaled import fake_quantize_tensors
@@ -106,14 +106,20 @@ def test_native_route_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = _native.round_nearest
     monkeypatch.setattr(_native, "round_nearest", lambda x, **kw: calls.append(x.numel()) or real(x, **kw))
+    grouped: list[str] = []
+    real_group = _native_group.fake
+    monkeypatch.setattr(_native_group, "fake",
+                        lambda x, spec, *a: grouped.append(spec.scaling) or real_group(x, spec, *a))
     x = torch.randn(64, 32)
     lowprec.quant.fake_quantize(x, "fp8_e4m3_tensorwise")
     lowprec.quantize(x, "float8_e5m2")
-    lowprec.quant.fake_quantize(x, "mxfp8_e4m3")
-    assert calls == [x.numel()] * 3
+    assert calls == [x.numel()] * 2 and grouped == []
+    lowprec.quant.fake_quantize(x, "mxfp8_e4m3")  # any other spec: one call of the grouped kernel
+    lowprec.quant.fake_quantize(x.t(), "nvfp4")
+    assert grouped == ["block", "block"]
     lowprec.quantize(x.t(), "float8_e5m2")
     lowprec.quantize(x.clone().requires_grad_(), "float8_e5m2")
-    assert len(calls) == 3
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("spec", ["bfloat16", "float8_e5m2", "fp8_e4m3_tensorwise"])

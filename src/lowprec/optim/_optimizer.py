@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .. import recipes
+from .. import formats, recipes
 from .._errors import UsageError
-from ..quant import QuantSpec, fake_quantize, quantize
+from ..quant import QuantSpec, _native_group, fake_quantize, quantize
 from ..quant._random import stream_seed
 from ..recipes import Recipe
 from ._scaler import LossScaler
@@ -103,10 +103,11 @@ class LowPrecisionOptimizer:
                 for p in params:
                     if p.grad is not None:
                         p.grad.copy_(fake_quantize(p.grad, opt_state.grad))
-            before = [p.detach().clone() for p in params] if self.recipe.weights.update != "master" else []
+            update = self.recipe.weights.update
+            before = [p.detach().clone() for p in params] if update == "kahan" else []  # only Kahan reads them
         self.optimizer.step(closure)  # type: ignore[arg-type]
         with torch.no_grad():
-            if before:
+            if update != "master":
                 self._apply_weight_policy(params, before)
             self._quantize_state(params)
         self.steps += 1
@@ -114,16 +115,18 @@ class LowPrecisionOptimizer:
 
     def _apply_weight_policy(self, params: list[torch.Tensor], before: list[torch.Tensor]) -> None:
         w = self.recipe.weights
-        for i, (param, old_param) in enumerate(zip(params, before, strict=True)):
+        for i, param in enumerate(params):
             p, offset = _local(param)  # a sharded (FSDP2) parameter: this rank's shard, at its global offset
-            old, _ = _local(old_param)
             if w.update == "nearest":
                 p.copy_(quantize(p, w.format))
             elif w.update == "stochastic":
                 seed = stream_seed(self.recipe.seed, "weight-update", str(self.steps), str(i))
                 p.copy_(quantize(p, w.format, rounding="stochastic", seed=seed, offset=offset))
             else:  # kahan
+                old, _ = _local(before[i])
                 c = self.compensation[i]
+                if _native_group.kahan_update(p, old, c, formats.get(w.format)):  # the lines below, fused
+                    continue
                 y = (p - old) - c  # the update, minus the error carried from the last step
                 t = quantize(old + y, w.format)
                 c.copy_(quantize((t - old) - y, w.format))

@@ -36,7 +36,7 @@ import torch
 from .. import formats
 from .._errors import UsageError
 from ..formats import FormatSpec
-from . import _backend, _native, _random
+from . import _backend, _native, _native_group, _random
 from ._round import quantize_f32
 from ._validate import Rounding, check_bool, check_offset, check_rounding, check_seed
 
@@ -218,4 +218,9 @@ def quantize(
         r = round_nearest_fast(x.to(torch.float32), spec, saturate=saturate)
         if r is not None:
             return r.to(x.dtype)
+    unscaled = _native_group.elementwise_spec(spec, mode, saturate) if _backend.runs_eager(x.numel()) else None
+    if unscaled is not None:  # any other format or rounding (stochastic: the random words in the same pass)
+        r = _native_group.fake(x, unscaled, keys, off)
+        if r is not None:
+            return r
     return _backend.run(_kernel, x.numel(), x, keys, off, fmt=spec, rounding=mode, saturate=saturate)

@@ -32,9 +32,11 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("_native.c")
+_SOURCES = (Path(__file__).with_name("_native.c"), Path(__file__).with_name("_native_group.c"))
+"""The kernels: elementwise rounding, amax and statistics here; scaled fake quantization of any spec in
+``_native_group.c`` (its Python side: ``_native_group``)."""
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off", "-fno-fast-math",
-          "-fno-strict-aliasing")
+          "-fno-strict-aliasing", "-fopenmp-simd")
 _state: dict[str, object] = {}
 
 
@@ -64,9 +66,9 @@ def _machine() -> str:
 
 def _build() -> ctypes.CDLL | None:
     cc = _compiler()
-    if cc is None or not _SOURCE.exists():
+    if cc is None or not all(p.exists() for p in _SOURCES):
         return None
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SOURCES)
     key = hashlib.sha256(src + " ".join((cc, *_FLAGS, _machine())).encode()).hexdigest()
     out = _cache_dir() / f"lowprec_native_{key[:16]}.so"
     if not out.exists():
@@ -74,7 +76,7 @@ def _build() -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+            subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
             os.replace(tmp, out)  # atomic: a concurrent build of the same source writes the same bytes
         except (OSError, subprocess.SubprocessError):
             Path(tmp).unlink(missing_ok=True)
@@ -87,7 +89,17 @@ def _build() -> ctypes.CDLL | None:
     lib.lp_round_nearest.restype = None
     lib.lp_stats.argtypes = [ptr, ptr, ptr, i64, f32, i32, f32, i32, i32, f32, ptr]
     lib.lp_stats.restype = None
+    u32 = ctypes.c_uint32
+    lib.lp_group_fake.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, u32, u32, u32, i64, i64, i64, ptr]
+    lib.lp_group_fake.restype = i32
+    lib.lp_kahan_update.argtypes = [ptr, ptr, ptr, i64, ptr]
+    lib.lp_kahan_update.restype = None
     return lib
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (not built, or disabled)."""
+    return _lib() if available() else None
 
 
 def _lib() -> ctypes.CDLL | None:

@@ -29,7 +29,7 @@ from typing import NamedTuple, TypeAlias
 import torch
 
 from .._errors import UsageError
-from . import _backend, _codec, _groups, _native, _native_op, _random
+from . import _backend, _codec, _groups, _native, _native_group, _native_op, _random
 from ._elementwise import (
     check_tensor,
     clamp_for,
@@ -236,6 +236,20 @@ def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None
     return q.mul_(_f32(1.0 / m)).to(x.dtype)
 
 
+def _eager_fast(x: torch.Tensor, spec: QuantSpec, keys: torch.Tensor | None, off: torch.Tensor | None,
+                amax: torch.Tensor | None) -> torch.Tensor | None:
+    """The eager fast routes, same bits as the kernels: tensorwise round-to-nearest with Python-float scale
+    arithmetic (``_tensorwise_fast``, which also takes a delayed ``amax``), else any spec in one native call
+    (``_native_group``); None where neither applies."""
+    if _tensorwise_fast_ok(x, spec):
+        y = _tensorwise_fast(x, spec, amax)
+        if y is not None:
+            return y
+    if amax is None and _backend.runs_eager(x.numel()):
+        return _native_group.fake(x, spec, keys, off)
+    return None
+
+
 def _fake(
     x: torch.Tensor,
     s: torch.Tensor,
@@ -244,7 +258,7 @@ def _fake(
     off: torch.Tensor | None,
     spec: QuantSpec,
 ) -> torch.Tensor:
-    """Run ``_fake_kernel`` and crop its padding outside the kernel.
+    """Run ``_fake_kernel``, crop its padding outside the kernel, and give the result ``x``'s layout (eagerly).
 
     Compiled, a crop inside the kernel lets inductor (torch 2.13) iterate over ``floor(K / block)`` whole blocks
     of the cropped output and never write the last partial block (uninitialised memory comes back); the padded
@@ -255,7 +269,13 @@ def _fake(
         y = _fake_fast(x, s, s_t, spec)
     if y is None:
         y = _backend.run(_fake_kernel, x.numel(), x, s, s_t, keys, off, spec=spec)
-    return y if y.shape == x.shape else _groups.crop(y, x.shape).contiguous()
+    if torch.compiler.is_compiling():
+        return y if y.shape == x.shape else _groups.crop(y, x.shape).contiguous()
+    if y.shape != x.shape:
+        y = _groups.crop(y, x.shape)
+    if y.stride() != x.stride():
+        y = torch.empty_like(x).copy_(y)  # x's layout, whatever the grouping's views did (as _native_group gives)
+    return y
 
 
 def _check(x: torch.Tensor, spec: object) -> QuantSpec:
@@ -277,10 +297,9 @@ def fake_quantize(
     """
     spec = _check(x, spec)
     keys, off = stochastic_args(spec.rounding, seed, offset, x.numel(), x.device)
-    if _tensorwise_fast_ok(x, spec):
-        y = _tensorwise_fast(x, spec, None)
-        if y is not None:
-            return y
+    y = _eager_fast(x, spec, keys, off, None)
+    if y is not None:
+        return y
     if spec.scaling == "none":
         s, s_t = _scales(x, spec)  # a constant: no kernel needed
     else:
@@ -355,10 +374,9 @@ def fake_quantize_tensors(
         raise UsageError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
     if torch.compiler.is_compiling() and _native_op.applies(x, spec):  # the fused C loop as an opaque op
         return _native_op.call(x, spec, amax)
-    if _tensorwise_fast_ok(x, spec):
-        y = _tensorwise_fast(x, spec, amax)
-        if y is not None:
-            return y
+    y = _eager_fast(x, spec, keys, offset, amax)
+    if y is not None:
+        return y
     if amax is None:
         s, s_t = _backend.run(_scales_kernel, x.numel(), x, spec=spec)
     else:

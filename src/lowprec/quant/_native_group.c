@@ -1,0 +1,342 @@
+/* lowprec's fused CPU kernel for scaled fake quantization of any spec (see _native_group.py).
+ *
+ * One call does what _scaled._scales + _scaled._fake_kernel do as tensor operations: per-group amax, the group's
+ * scale (float32 multiplier, E8M0 power of two, or a scale rounded into a float scale format, optionally over a
+ * float32 tensor scale), the element rounding of _round.quantize_f32 (round_magnitude's integer arithmetic, then
+ * the format's overflow, signed-zero and non-finite rules) with nearest, toward-zero or stochastic rounding (the
+ * counter-based lowbias32 words of _random.py, computed in the same pass), and the dequantizing product.  Every
+ * float operation is the IEEE float32 operation the tensor route performs, in the same order; the build uses
+ * -ffp-contract=off (no fused multiply-add), so the results are the same bits.
+ *
+ * Layout: x is a contiguous float32 array viewed as [B, R, C]; a group is gr consecutive rows by gc consecutive
+ * columns of one b (edge groups are smaller).  The random counter of element (b, r, c) is
+ * off + b * sb + r * sr + c * sc (mod 2^32): its row-major index in the tensor the caller quantizes (which may be a
+ * transposed view of x).
+ */
+#include <stdint.h>
+#include <string.h>
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+typedef struct {
+    int32_t kind;        /* 0: float32 itself (no rounding), 1: signed float format, 2: integer format */
+    int32_t mbits, emin; /* the grid (_round.round_magnitude) */
+    int32_t rounding;    /* 0 nearest (ties to even; ties away when ties_away), 1 toward zero, 2 stochastic, 3 away */
+    int32_t ties_away;
+    int32_t clamp_over;  /* overflow gives +-fmax (saturate, a "finite" format, or toward zero) */
+    int32_t neg_zero;    /* the format has a negative zero: results keep v's sign bit */
+    int32_t special;     /* non-finite v: 0 stays (a format with inf), 1 +-fmax and NaN stays, 2 NaN */
+    float fmax, fmin;    /* largest finite value; the integer format's most negative value */
+    float over_value;    /* overflow without clamp_over: inf or NaN */
+} lp_elem;
+
+typedef struct {
+    int32_t rule;        /* 0 no scale, 1 float32 multiplier m = fmax / amax, 2 power of two (E8M0; its exponent
+                          * range within [-127, 127], no tensor scale), 3 float scale */
+    int32_t pow2_mode;   /* rule 2: 0 floor, 1 ceil, 2 nearest */
+    int32_t margin;      /* rule 2: added to the exponent */
+    int32_t has_margin;  /* rules 1 and 3: multiply by margin_mul */
+    float margin_mul;    /* rule 1: 2^-margin, rule 3: 2^margin */
+    float elem_max;      /* the element format's largest value */
+    int32_t elem_emax, elem_max_mant; /* rule 2: its exponent and 23 mantissa bits */
+    int32_t s_emin, s_emax;           /* rule 2: the scale format's exponent range */
+    float s_min, s_max;  /* rule 3: clamp to the scale format's positive range */
+    int32_t two_level;   /* rule 3: a float32 tensor scale first (NVFP4) */
+    float denom;         /* rule 3: elem_max * scale format max */
+    lp_elem sfmt;        /* rule 3: rounding of the scale into its format (kind 0: float32, no rounding) */
+} lp_scale;
+
+#define M1 0x7feb352du
+#define M2 0x846ca68bu
+static inline uint32_t h32(uint32_t x)
+{
+    x ^= x >> 16; x *= M1; x ^= x >> 15; x *= M2; x ^= x >> 16;
+    return x;
+}
+
+/* 2.0f ** k for k in [-149, 127], built from bits (_round._pow2) */
+static inline float pow2f(int32_t k)
+{
+    int32_t sh = k + 149; sh = sh < 0 ? 0 : (sh > 22 ? 22 : sh);
+    return k >= -126 ? u2f((uint32_t)(k + 127) << 23) : u2f(1u << sh);
+}
+
+/* _round.round_magnitude + quantize_f32's rules for one float32 value v (rb: its random word).  KIND and ROUND
+ * are compile-time constants where the element loops call it (so the loops have no branches and vectorize). */
+static inline __attribute__((always_inline)) float q_elem_k(float v, const lp_elem *e, uint32_t rb, const int KIND,
+                                                            const int ROUND)
+{
+    if (KIND == 0) return v;
+    uint32_t bits = f2u(v), a = bits & 0x7fffffffu;
+    int finite = a < 0x7f800000u;
+    int32_t af = finite ? (int32_t)a : 0;
+    int32_t ex = af >> 23, eff_e = ex < 1 ? 1 : ex;
+    int32_t sig = ex > 0 ? ((af & 0x7fffff) | 0x800000) : af;
+    int32_t sub = (e->emin + 127) - eff_e;
+    int32_t d = (23 - e->mbits) + (sub > 0 ? sub : 0);
+    int32_t dc = d > 30 ? 30 : d;
+    int32_t n = sig >> dc, mask = (int32_t)((1u << dc) - 1u), rem = sig & mask;
+    int32_t up = 0;
+    if (ROUND == 0) {
+        int32_t half = (int32_t)((1u << dc) >> 1);
+        int32_t bias = e->ties_away ? half : half - 1 + (n & 1);
+        up = (rem + bias) > mask;
+    } else if (ROUND == 2) {
+        int32_t u = (int32_t)((rb >> 1) & 0x7fffffffu);
+        int32_t s1 = 31 - d; s1 = s1 < 0 ? 0 : (s1 > 31 ? 31 : s1);
+        int32_t s2 = d - 31; s2 = s2 < 0 ? 0 : (s2 > 31 ? 31 : s2);
+        int32_t thr = d <= 31 ? (int32_t)((uint32_t)rem << s1) : (sig >> s2);
+        up = u < thr;
+    } else if (ROUND == 3) {
+        up = rem != 0;
+    }
+    n += up;
+    int32_t big_e = eff_e - 127 < e->emin ? e->emin : eff_e - 127;
+    float mag = (float)n * pow2f(big_e - e->mbits);
+    int neg = (int32_t)bits < 0;
+    if (KIND == 2) {  /* integers: one zero, clamp to the code range; inf saturates, NaN stays */
+        float s = neg ? -mag : mag;
+        s = s < e->fmin ? e->fmin : (s > e->fmax ? e->fmax : s);
+        float out = s + 0.0f;
+        float special = v != v ? v : (v < e->fmin ? e->fmin : (v > e->fmax ? e->fmax : v));
+        return finite ? out : special;
+    }
+    /* In integer arithmetic on the bits from here (so that every select is an integer select and the loop
+     * vectorizes): mag >= 0 is finite, so mag > fmax is the unsigned order of their bits.  zero: added to the
+     * signed result (+0 turns -0 into +0 for formats without a negative zero; -0 changes nothing). */
+    uint32_t fmb = f2u(e->fmax), sgn = bits & 0x80000000u;
+    uint32_t ovb = e->clamp_over ? fmb : f2u(e->over_value);
+    float zero = e->neg_zero ? -0.0f : 0.0f;
+    uint32_t mb = f2u(mag);
+    mb = mb > fmb ? ovb : mb;
+    uint32_t outb = f2u(u2f(mb | sgn) + zero);
+    uint32_t sp = a > 0x7f800000u ? bits : (fmb | sgn);  /* "finite" formats: NaN stays, inf -> +-fmax */
+    sp = e->special == 0 ? bits : sp;
+    sp = e->special == 2 ? 0x7fc00000u : sp;
+    return u2f(finite ? outb : sp);
+}
+
+/* q_elem_k with the kind and rounding read from e (scales: once per group) */
+static float q_elem(float v, const lp_elem *e, uint32_t rb)
+{
+    switch (e->kind * 4 + e->rounding) {
+    case 0: case 1: case 2: case 3: return v;
+    case 4: return q_elem_k(v, e, rb, 1, 0);
+    case 5: return q_elem_k(v, e, rb, 1, 1);
+    case 6: return q_elem_k(v, e, rb, 1, 2);
+    case 7: return q_elem_k(v, e, rb, 1, 3);
+    case 8: return q_elem_k(v, e, rb, 2, 0);
+    case 9: return q_elem_k(v, e, rb, 2, 1);
+    case 10: return q_elem_k(v, e, rb, 2, 2);
+    default: return q_elem_k(v, e, rb, 2, 3);
+    }
+}
+
+/* _scale._log2_parts: floor(log2 v) and the 23 mantissa bits of finite v >= 0 (subnormals normalised) */
+static inline void log2_parts(float v, int32_t *ex, int32_t *mant)
+{
+    int sub = v < 0x1p-126f;
+    float vn = sub ? v * 0x1p64f : v;
+    uint32_t b = f2u(vn);
+    *ex = (int32_t)(b >> 23) - 127 - sub * 64;
+    *mant = (int32_t)(b & 0x7fffffu);
+}
+
+/* One group's (divisor or multiplier, dequantization factor) from its finite amax (_scale.group_scale) */
+static inline void group_scale(float amax, const lp_scale *s, float s_t, float *q, float *deq)
+{
+    if (s->rule == 1) {
+        float m = s->elem_max / amax;  /* amax 0 -> inf -> float32 max */
+        m = m > 0x1.fffffep127f ? 0x1.fffffep127f : m;
+        if (s->has_margin) m = m * s->margin_mul;
+        *q = m;
+        *deq = 1.0f / m;
+        return;
+    }
+    float sc;
+    if (s->rule == 2) {
+        int32_t ex, mant, k;
+        log2_parts(amax, &ex, &mant);
+        if (s->pow2_mode == 0) {
+            k = ex - s->elem_emax;
+        } else if (s->pow2_mode == 1) {
+            k = ex - s->elem_emax + (mant > s->elem_max_mant);
+        } else {
+            int32_t rex, rmant;
+            log2_parts(amax / s->elem_max, &rex, &rmant);
+            k = rex + (rmant >= 0x400000);
+        }
+        k += s->margin;
+        k = k < s->s_emin ? s->s_emin : (k > s->s_emax ? s->s_emax : k);
+        *q = pow2f(-k);  /* x / 2^k is x * 2^-k (exact for |k| <= 127): both are the exact value rounded once */
+        *deq = pow2f(k);
+        return;
+    } else {
+        float raw = amax / s->elem_max;
+        if (s->two_level) raw = raw / s_t;
+        if (s->has_margin) raw = raw * s->margin_mul;
+        raw = q_elem(raw, &s->sfmt, 0u);
+        sc = raw < s->s_min ? s->s_min : (raw > s->s_max ? s->s_max : raw);
+    }
+    float eff = s->two_level ? sc * s_t : sc;
+    *q = eff;
+    *deq = eff;
+}
+
+/* max |x| over each group into amax_bits (as float bits; NaN/inf have bits >= 0x7f800000) */
+static void group_amax(const float *x, int64_t B, int64_t R, int64_t C, int64_t gr, int64_t gc, uint32_t *amax)
+{
+    int64_t nr = (R + gr - 1) / gr, nc = (C + gc - 1) / gc;
+    memset(amax, 0, (size_t)(B * nr * nc) * sizeof(uint32_t));
+    const uint32_t *xb = (const uint32_t *)(const void *)x;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t r = 0; r < R; r++) {
+            const uint32_t *row = xb + (b * R + r) * C;
+            uint32_t *g = amax + (b * nr + r / gr) * nc;
+            if (gc == 1) {
+                for (int64_t c = 0; c < C; c++) {
+                    uint32_t v = row[c] & 0x7fffffffu;
+                    g[c] = v > g[c] ? v : g[c];
+                }
+            } else {
+                for (int64_t cb = 0; cb < nc; cb++) {
+                    int64_t c0 = cb * gc, c1 = c0 + gc < C ? c0 + gc : C;
+                    uint32_t m = g[cb];
+                    for (int64_t c = c0; c < c1; c++) {
+                        uint32_t v = row[c] & 0x7fffffffu;
+                        m = v > m ? v : m;
+                    }
+                    g[cb] = m;
+                }
+            }
+        }
+    }
+}
+
+/* The rounded, dequantized elements of one row segment: one scale for all (qs: multiplier or divisor, deq) when
+ * PER_COL is 0, else one per element (the arrays qsv, deqv).  RULE: 0 no scale, 1 multiply, 2 divide. */
+static inline __attribute__((always_inline)) void segment(const float *x, float *y, int64_t n, const lp_elem *e,
+                                                          float qs, float deq, const float *qsv, const float *deqv,
+                                                          uint32_t cnt0, uint32_t cstep, uint32_t k1, uint32_t k2,
+                                                          const int RULE, const int ROUND, const int KIND,
+                                                          const int PER_COL)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float m = PER_COL ? qsv[i] : qs, dq = PER_COL ? deqv[i] : deq;
+        float v = RULE == 0 ? x[i] : (RULE == 1 ? x[i] * m : x[i] / m);
+        uint32_t rb = ROUND == 2 ? h32(h32(cnt0 + (uint32_t)i * cstep + k1) ^ k2) : 0u;
+        float q = q_elem_k(v, e, rb, KIND, ROUND);
+        y[i] = RULE == 0 ? q : q * dq;
+    }
+}
+
+typedef void (*seg_fn)(const float *, float *, int64_t, const lp_elem *, float, float, const float *, const float *,
+                       uint32_t, uint32_t, uint32_t, uint32_t);
+
+#define LP_SEG(RULE, ROUND, KIND, PC)                                                                               \
+    static __attribute__((noinline)) void seg_##RULE##ROUND##KIND##PC(                                                \
+        const float *x, float *y, int64_t n, const lp_elem *e0, float qs, float deq, const float *qsv,               \
+        const float *deqv, uint32_t cnt0, uint32_t cstep, uint32_t k1, uint32_t k2)                                  \
+    {                                                                                                               \
+        lp_elem e = *e0;                                                                                            \
+        segment(x, y, n, &e, qs, deq, qsv, deqv, cnt0, cstep, k1, k2, RULE, ROUND, KIND, PC);                        \
+    }
+#define LP_SEG_K(RULE, ROUND, PC) LP_SEG(RULE, ROUND, 1, PC) LP_SEG(RULE, ROUND, 2, PC)
+#define LP_SEG_R(RULE, PC) LP_SEG_K(RULE, 0, PC) LP_SEG_K(RULE, 1, PC) LP_SEG_K(RULE, 2, PC)
+LP_SEG_R(0, 0)
+LP_SEG_R(1, 0)
+LP_SEG_R(2, 0)
+LP_SEG_R(1, 1)
+LP_SEG_R(2, 1)
+#define LP_ROW(RULE, PC) {{seg_##RULE##01##PC, seg_##RULE##02##PC}, {seg_##RULE##11##PC, seg_##RULE##12##PC}, \
+                          {seg_##RULE##21##PC, seg_##RULE##22##PC}}
+static const seg_fn SEGS[3][3][2] = {LP_ROW(0, 0), LP_ROW(1, 0), LP_ROW(2, 0)};
+static const seg_fn COLS[3][3][2] = {LP_ROW(0, 0), LP_ROW(1, 1), LP_ROW(2, 1)};
+#undef LP_ROW
+#undef LP_SEG_R
+#undef LP_SEG_K
+#undef LP_SEG
+
+/* Fake-quantize x into y (module comment).  work: 3 * B * ceil(R/gr) * ceil(C/gc) floats.  Returns 0, having
+ * written nothing meaningful, when a group holds NaN or inf (the caller runs the tensor route), else 1. */
+int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int64_t gr, int64_t gc,
+                  const lp_elem *e, const lp_scale *s, uint32_t k1, uint32_t k2, uint32_t off, int64_t sb,
+                  int64_t sr, int64_t sc, float *work)
+{
+    int64_t nr = (R + gr - 1) / gr, nc = (C + gc - 1) / gc, ng = B * nr * nc;
+    float *qs = work, *deq = work + ng;
+    uint32_t *amax = (uint32_t *)(void *)(work + 2 * ng);
+    float s_t = 1.0f;
+    if (s->rule != 0) {
+        group_amax(x, B, R, C, gr, gc, amax);
+        uint32_t top = 0;
+        for (int64_t g = 0; g < ng; g++) top = amax[g] > top ? amax[g] : top;
+        if (top >= 0x7f800000u) return 0;
+        if (s->two_level) {  /* _scale.tensor_scale_from_amax on the max of the group amaxes */
+            float at = u2f(top);
+            float t = at / s->denom;
+            s_t = at > 0.0f ? (t < 0x1p-126f ? 0x1p-126f : t) : 1.0f;
+        }
+        for (int64_t g = 0; g < ng; g++) group_scale(u2f(amax[g]), s, s_t, qs + g, deq + g);
+    }
+    int rule = s->rule == 0 ? 0 : (s->rule == 3 ? 2 : 1);  /* power-of-two scales multiply by 2^-k */
+    int rnd = e->rounding == 2 ? 2 : (e->rounding == 1 ? 1 : 0);
+    int kind = e->kind == 2 ? 1 : 0;
+    seg_fn seg = SEGS[rule][rnd][kind], col = COLS[rule][rnd][kind];
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t r = 0; r < R; r++) {
+            const float *xr = x + (b * R + r) * C;
+            float *yr = y + (b * R + r) * C;
+            uint32_t cnt = off + (uint32_t)((uint64_t)b * (uint64_t)sb + (uint64_t)r * (uint64_t)sr);
+            int64_t g0 = (b * nr + r / gr) * nc;
+            if (rule == 0) {
+                seg(xr, yr, C, e, 1.0f, 1.0f, 0, 0, cnt, (uint32_t)sc, k1, k2);
+            } else if (gc == 1 && nc > 1) {
+                col(xr, yr, C, e, 0.0f, 0.0f, qs + g0, deq + g0, cnt, (uint32_t)sc, k1, k2);
+            } else {
+                for (int64_t cb = 0; cb < nc; cb++) {
+                    int64_t c0 = cb * gc, c1 = c0 + gc < C ? c0 + gc : C;
+                    seg(xr + c0, yr + c0, c1 - c0, e, qs[g0 + cb], deq[g0 + cb], 0, 0,
+                        cnt + (uint32_t)((uint64_t)c0 * (uint64_t)sc), (uint32_t)sc, k1, k2);
+                }
+            }
+        }
+    }
+    return 1;
+}
+
+/* One Kahan-compensated weight update (optim._optimizer "kahan"), all in place, e describing the weight format with
+ * round-to-nearest (e->kind 1 or 2):  y = (p - old) - c;  t = Q(old + y);  c = Q((t - old) - y);  p = t. */
+static inline __attribute__((always_inline)) void kahan(float *p, const float *old, float *c, int64_t n,
+                                                        const lp_elem *e, const int KIND)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float y = (p[i] - old[i]) - c[i];
+        float t = q_elem_k(old[i] + y, e, 0u, KIND, 0);
+        c[i] = q_elem_k((t - old[i]) - y, e, 0u, KIND, 0);
+        p[i] = t;
+    }
+}
+
+static __attribute__((noinline)) void kahan_float(float *p, const float *old, float *c, int64_t n, const lp_elem *e0)
+{
+    lp_elem e = *e0;
+    kahan(p, old, c, n, &e, 1);
+}
+
+static __attribute__((noinline)) void kahan_int(float *p, const float *old, float *c, int64_t n, const lp_elem *e0)
+{
+    lp_elem e = *e0;
+    kahan(p, old, c, n, &e, 2);
+}
+
+void lp_kahan_update(float *p, const float *old, float *c, int64_t n, const lp_elem *e)
+{
+    if (e->kind == 2)
+        kahan_int(p, old, c, n, e);
+    else
+        kahan_float(p, old, c, n, e);
+}

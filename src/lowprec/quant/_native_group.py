@@ -1,0 +1,244 @@
+"""Scaled fake quantization of any spec in one native call (``lp_group_fake`` in ``_native_group.c``).
+
+The tensor route of ``_scaled`` is two kernels of a dozen to forty tensor operations each (group amax, scale rule,
+element rounding, dequantization); eagerly every one of them is a pass over memory plus dispatch.  The C kernel
+does the same float32 and integer operations per element, in the same order, in three loops (amax per group,
+the scales once per group, then one pass that scales, rounds, and dequantizes), for every scaling (tensor, axis,
+block, tile, none), every scale rule (float32 multiplier, E8M0 power of two with the floor / ceil / nearest rules,
+a scale rounded into a float format, NVFP4's two levels), and round-to-nearest, toward-zero or stochastic
+rounding with the counter-based random words of ``_random`` computed in the same pass.  The results are the
+tensor route's bits (tests/test_native_group.py compares both routes on whole binades, edge values, every named
+spec, and transposed and odd-shaped tensors).
+
+Layout: a contiguous tensor, or a 2-D transposed view of one (the GEMM operands ``w.t()``, ``x.t()``), is read in
+place as ``[B, R, C]`` with groups of ``gr x gc`` elements (``_view``); the result has the input's layout.  Other
+strides are copied to contiguous first.  Where the kernel does not apply (``plan`` is None: unsigned element
+formats, a two-level spec with power-of-two scales; or ``fake`` returns None: a group holds NaN or inf, whose
+NaN payloads the tensor route decides), the caller runs the tensor route.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+from typing import NamedTuple
+
+import torch
+
+from ..formats import FormatSpec
+from . import _native
+from ._scale_rules import _SCALE_ROUNDING_TO_ELEM, uses_multiplier
+from ._spec import QuantSpec
+
+_ROUNDING = {"nearest": 0, "toward_zero": 1, "stochastic": 2, "away": 3}
+
+
+class _Elem(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("mbits", ctypes.c_int32), ("emin", ctypes.c_int32),
+                ("rounding", ctypes.c_int32), ("ties_away", ctypes.c_int32), ("clamp_over", ctypes.c_int32),
+                ("neg_zero", ctypes.c_int32), ("special", ctypes.c_int32), ("fmax", ctypes.c_float),
+                ("fmin", ctypes.c_float), ("over_value", ctypes.c_float)]
+
+
+class _Scale(ctypes.Structure):
+    _fields_ = [("rule", ctypes.c_int32), ("pow2_mode", ctypes.c_int32), ("margin", ctypes.c_int32),
+                ("has_margin", ctypes.c_int32), ("margin_mul", ctypes.c_float), ("elem_max", ctypes.c_float),
+                ("elem_emax", ctypes.c_int32), ("elem_max_mant", ctypes.c_int32), ("s_emin", ctypes.c_int32),
+                ("s_emax", ctypes.c_int32), ("s_min", ctypes.c_float), ("s_max", ctypes.c_float),
+                ("two_level", ctypes.c_int32), ("denom", ctypes.c_float), ("sfmt", _Elem)]
+
+
+def _f32_exact(v: float) -> bool:
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0] == v
+    except OverflowError:
+        return False
+
+
+def _elem(fmt: FormatSpec, rounding: str, saturate: bool) -> _Elem | None:
+    """``quantize_f32``'s rules for ``fmt`` as the kernel's parameters (None: not supported here)."""
+    if fmt.kind == "float" and fmt.mbits == 23 and fmt.emin <= -126:
+        kind = 0  # float32 itself: no rounding
+    elif fmt.kind == "float" and fmt.signed:
+        kind = 1
+    elif fmt.kind == "int":
+        kind = 2
+    else:
+        return None  # exponent-only element formats: the tensor route
+    if not (_f32_exact(fmt.max) and _f32_exact(fmt.min)):
+        return None
+    return _Elem(kind=kind, mbits=fmt.mbits, emin=fmt.emin, rounding=_ROUNDING[rounding],
+                 ties_away=int(fmt.mbits == 0),
+                 clamp_over=int(saturate or fmt.special == "finite" or rounding == "toward_zero"),
+                 neg_zero=int(fmt.kind == "float" and fmt.has_negative_zero),
+                 special=0 if fmt.has_inf else (1 if fmt.special == "finite" else 2),
+                 fmax=fmt.max, fmin=fmt.min, over_value=math.inf if fmt.has_inf else math.nan)
+
+
+def _mantissa(value: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", value))[0]) & 0x7FFFFF
+
+
+def _scale(spec: QuantSpec) -> _Scale | None:
+    """``_scale.group_scale``'s rule for ``spec`` as the kernel's parameters (None: not supported here)."""
+    fmt, sfmt = spec.format, spec.scale_spec
+    if spec.scaling == "none":
+        return _Scale(rule=0)
+    if uses_multiplier(spec):
+        return _Scale(rule=1, elem_max=fmt.max, has_margin=int(spec.margin != 0), margin_mul=2.0 ** -spec.margin)
+    if not sfmt.signed:
+        if spec.tensor_scale or sfmt.emin < -127 or sfmt.emax > 127:
+            return None  # the kernel multiplies by 2^-k, exact for |k| <= 127
+        mode = {"floor": 0, "ceil": 1, "nearest": 2}[spec.scale_rounding]
+        return _Scale(rule=2, pow2_mode=mode, margin=spec.margin, elem_max=fmt.max, elem_emax=fmt.emax,
+                      elem_max_mant=_mantissa(fmt.max), s_emin=sfmt.emin, s_emax=sfmt.emax)
+    se = _elem(sfmt, _SCALE_ROUNDING_TO_ELEM[spec.scale_rounding], True)
+    denom = fmt.max * sfmt.max if spec.tensor_scale else 1.0
+    if se is None or not (_f32_exact(sfmt.min_subnormal) and _f32_exact(sfmt.max) and _f32_exact(denom)):
+        return None
+    return _Scale(rule=3, elem_max=fmt.max, has_margin=int(spec.margin != 0), margin_mul=2.0 ** spec.margin,
+                  s_min=sfmt.min_subnormal, s_max=sfmt.max, two_level=int(spec.tensor_scale), denom=denom, sfmt=se)
+
+
+class _Plan(NamedTuple):
+    elem: _Elem
+    scale: _Scale
+
+
+_plans: dict[int, tuple[QuantSpec, _Plan | None]] = {}
+
+
+def plan(spec: QuantSpec) -> _Plan | None:
+    """The kernel's parameters for ``spec``, or None where it does not apply (cached by identity, holding the
+    spec so that its id is not reused)."""
+    hit = _plans.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    e = _elem(spec.format, spec.rounding, spec.saturate)
+    s = _scale(spec) if e is not None else None
+    p = _Plan(e, s) if e is not None and s is not None else None
+    if torch.compiler.is_compiling():
+        return p
+    if len(_plans) > 4096:
+        _plans.clear()
+    _plans[id(spec)] = (spec, p)
+    return p
+
+
+class _View(NamedTuple):
+    base: torch.Tensor  # contiguous float32
+    transposed: bool  # the input is base.t()
+    dims: tuple[int, int, int]  # B, R, C
+    group: tuple[int, int]  # gr, gc
+    counters: tuple[int, int, int]  # sb, sr, sc
+
+
+def _prod(xs: tuple[int, ...] | list[int]) -> int:
+    return math.prod(xs) if xs else 1
+
+
+def _contiguous_view(shape: tuple[int, ...], spec: QuantSpec) -> tuple[tuple[int, int, int], tuple[int, int],
+                                                                         tuple[int, int, int]]:
+    """[B, R, C], the group and the counter strides of a contiguous tensor of ``shape``."""
+    n = _prod(shape)
+    if spec.scaling in ("none", "tensor") or not shape:
+        return (1, 1, n), (1, max(n, 1)), (0, 0, 1)
+    if spec.scaling == "tile":
+        assert spec.tile is not None
+        r, c = shape[-2], shape[-1]
+        return (_prod(shape[:-2]), r, c), spec.tile, (r * c, c, 1)
+    a = spec.axis % len(shape)
+    outer, k, inner = _prod(shape[:a]), shape[a], _prod(shape[a + 1:])
+    size = k if spec.scaling == "axis" else int(spec.block_size or k)
+    if inner == 1:
+        return (1, outer, k), (1, size), (0, k, 1)
+    return (outer, k, inner), (size, 1), (k * inner, inner, 1)
+
+
+def _view(x: torch.Tensor, spec: QuantSpec) -> _View:
+    shape = tuple(x.shape)
+    if x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous():
+        base = x.t()  # [N, M], the input [M, N] read in place: t[i, j] = base[j, i], counter i * N + j
+        m, n = shape
+        if spec.scaling in ("none", "tensor"):
+            group = (n, m)
+        elif spec.scaling == "tile":
+            assert spec.tile is not None
+            group = (spec.tile[1], spec.tile[0])
+        else:
+            a = spec.axis % 2
+            size = shape[a] if spec.scaling == "axis" else int(spec.block_size or shape[a])
+            group = (size, 1) if a == 1 else (1, size)
+        return _View(base, True, (1, n, m), group, (0, 1, n))
+    base = x if x.is_contiguous() else x.contiguous()
+    dims, group, counters = _contiguous_view(shape, spec)
+    return _View(base, False, dims, group, counters)
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether ``x`` may go through the kernel: a plain CPU tensor outside autograd, with the kernels built."""
+    return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.device.type == "cpu" and x.numel() > 0
+            and not (x.requires_grad and torch.is_grad_enabled()) and _native.available())
+
+
+def fake(x: torch.Tensor, spec: QuantSpec, keys: torch.Tensor | None, offset: torch.Tensor | None) -> (
+        torch.Tensor | None):
+    """``fake_quantize_tensors(x, spec, keys=keys, offset=offset)`` in one native call, or None where the kernel
+    does not apply (module docstring).  ``x``: float32, bfloat16 or float16; the result has its dtype."""
+    p = plan(spec)
+    lib = _native.lib()
+    if p is None or lib is None or not usable(x):
+        return None
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+    v = _view(xf, spec)
+    (b, r, c), (gr, gc), (sb, sr, sc) = v.dims, v.group, v.counters
+    gr, gc = max(1, min(gr, r)), max(1, min(gc, c))
+    k1 = k2 = off = 0
+    if spec.rounding == "stochastic":
+        if keys is None or offset is None:
+            return None
+        k1, k2 = (int(k) & 0xFFFFFFFF for k in keys.tolist())
+        off = int(offset) & 0xFFFFFFFF
+    ng = b * -(-r // gr) * -(-c // gc)
+    work = torch.empty(3 * ng, dtype=torch.float32)
+    y = torch.empty_like(v.base)
+    ok = lib.lp_group_fake(v.base.data_ptr(), y.data_ptr(), b, r, c, gr, gc, ctypes.byref(p.elem),
+                           ctypes.byref(p.scale), k1, k2, off, sb, sr, sc, work.data_ptr())
+    if not ok:
+        return None
+    out = y.t() if v.transposed else y.view(x.shape)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+_elementwise_specs: dict[tuple[str, str, bool], QuantSpec] = {}
+
+
+def elementwise_spec(fmt: FormatSpec, rounding: str, saturate: bool) -> QuantSpec | None:
+    """The unscaled spec that rounds onto ``fmt`` as ``quantize`` does (cached); None for the exponent-only formats,
+    which no spec takes as elements (``quantize`` keeps the tensor route for them)."""
+    if not fmt.signed:
+        return None
+    key = (fmt.name, rounding, saturate)
+    spec = _elementwise_specs.get(key)
+    if spec is None:
+        spec = QuantSpec(elem=fmt, scaling="none", rounding=rounding, saturate=saturate)  # type: ignore[arg-type]
+        _elementwise_specs[key] = spec
+    return spec
+
+
+def kahan_update(p: torch.Tensor, old: torch.Tensor, c: torch.Tensor, fmt: FormatSpec) -> bool:
+    """The Kahan-compensated weight update of ``lowprec.optim`` in place, in one native pass:
+    ``y = (p - old) - c``, ``t = Q(old + y)``, ``c = Q((t - old) - y)``, ``p = t`` with ``Q`` rounding to nearest
+    onto ``fmt``.  False (nothing changed) where the kernel does not apply: the caller runs the tensor
+    operations."""
+    lib = _native.lib()
+    if lib is None or not (p.shape == old.shape == c.shape) or p.numel() == 0:
+        return False
+    if not all(usable(t) and t.dtype == torch.float32 and t.is_contiguous() for t in (p, old, c)):
+        return False
+    e = _elem(fmt, "nearest", False)
+    if e is None or e.kind == 0:
+        return False
+    lib.lp_kahan_update(p.data_ptr(), old.data_ptr(), c.data_ptr(), p.numel(), ctypes.byref(e))
+    return True

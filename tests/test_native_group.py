@@ -1,0 +1,218 @@
+"""The grouped native kernel (``lowprec.quant._native_group``, ``lp_group_fake``) gives the tensor route's bits.
+
+Oracle: the same public quantizer with the fast paths off (``_backend.fast_paths(False)``): the tensor-operation
+kernels of ``_scaled``, ``_scale`` and ``_round``, themselves checked against ml_dtypes, torch casts, torchao and
+compressed-tensors elsewhere.  Covered:
+
+1. element rounding alone (scaling "none") for every format lowprec knows (IEEE, fn, fnuz, finite, integer), three
+   roundings, saturating or not, over every float32 whose top 14 mantissa bits run through all values in the
+   binades around each format's subnormal range and largest binades (exact ties included), a strided sweep of all
+   2^32 bit patterns (NaN, inf, float32 subnormals) and random words;
+2. every named spec and variants of its scale rule (E8M0 floor / ceil / nearest, float scales rounded nearest /
+   down / up, margins, no saturation), with nearest, stochastic and toward-zero rounding, on contiguous,
+   transposed, 1-D, 3-D and odd-shaped tensors (partial blocks and tiles), float32 and bfloat16, with all-zero,
+   subnormal and near-float32-max groups;
+3. a group holding NaN or inf: the kernel declines and the quantizer's result is the tensor route's;
+4. training: three AdamW steps of a small network through both routes give the same weights bit for bit, for
+   every recipe whose operands take the kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from test_train_speedpaths import _binade_sweep, _exponents
+from torch import nn
+
+import lowprec
+import lowprec.optim
+from lowprec import formats
+from lowprec.quant import QuantSpec, _backend, _native, _native_group, _random
+from lowprec.quant._scaled import fake_quantize_tensors
+from lowprec.testing import assert_bitwise_equal
+
+pytestmark = pytest.mark.skipif(not _native.available(), reason="no C compiler here: the native kernels are not built")
+
+ROUNDINGS = ("nearest", "stochastic", "toward_zero")
+KEYS = _random.key_tensor(20261203)
+
+
+def _both(x: torch.Tensor, spec: QuantSpec, offset: int = 0) -> tuple[torch.Tensor | None, torch.Tensor]:
+    off = _random.offset_tensor(offset)
+    fast = _native_group.fake(x, spec, KEYS, off)
+    with _backend.fast_paths(False):
+        ref = fake_quantize_tensors(x, spec, keys=KEYS, offset=off)
+    return fast, ref
+
+
+def _sweep(fmt: formats.FormatSpec) -> torch.Tensor:
+    strided = torch.arange(0, 1 << 32, 65521, dtype=torch.int64)
+    strided = torch.where(strided >= 1 << 31, strided - (1 << 32), strided).to(torch.int32).view(torch.float32)
+    rand = torch.randint(-(1 << 31), (1 << 31) - 1, (4096,), generator=torch.Generator().manual_seed(1),
+                         dtype=torch.int32).view(torch.float32)
+    return torch.cat([*(_binade_sweep(e) for e in _exponents(fmt)), strided, rand])
+
+
+ELEMENT_FORMATS = [n for n in formats.names() if formats.get(n).signed]  # E8M0 is never an element format
+
+
+def test_every_element_format_takes_the_kernel() -> None:
+    assert all(_native_group.plan(QuantSpec(elem=n, scaling="none")) is not None for n in ELEMENT_FORMATS)
+    assert {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float4_e2m1fn", "bfloat16", "int8"} <= set(
+        ELEMENT_FORMATS)
+    assert _native_group.elementwise_spec(formats.get("float8_e8m0fnu"), "nearest", False) is None
+
+
+@pytest.mark.parametrize("name", ELEMENT_FORMATS)
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("saturate", [False, True])
+def test_element_rounding_matches_the_kernel(name: str, rounding: str, saturate: bool) -> None:
+    fmt = formats.get(name)
+    spec = QuantSpec(elem=name, scaling="none", rounding=rounding, saturate=saturate)  # type: ignore[arg-type]
+    x = _sweep(fmt)
+    fast, ref = _both(x, spec, offset=12345)
+    assert fast is not None  # scaling "none" handles NaN and inf itself
+    assert_bitwise_equal(fast, ref, context=f"{name} {rounding} saturate={saturate}")
+
+
+def _specs() -> list[QuantSpec]:
+    out = []
+    for name in QuantSpec.names():
+        base = QuantSpec.named(name)
+        variants = [base, dataclasses.replace(base, margin=2), dataclasses.replace(base, margin=-1)]
+        if base.scaling != "tensor":
+            variants += [dataclasses.replace(base, saturate=not base.saturate)]
+        if not base.scale_spec.signed:
+            variants += [dataclasses.replace(base, scale_rounding=r) for r in ("ceil", "nearest", "floor")]
+        elif base.scale_spec.name != "float32":
+            variants += [dataclasses.replace(base, scale_rounding=r) for r in ("floor", "ceil")]
+        out += [dataclasses.replace(v, rounding=r) for v in variants for r in ROUNDINGS]  # type: ignore[arg-type]
+    out += [QuantSpec(elem="float8_e4m3fn", scaling="block", block_size=16, axis=0, scale_format="bfloat16"),
+            QuantSpec(elem="float8_e5m2", scaling="axis", axis=0, scale_format="float8_e8m0fnu",
+                      scale_rounding="ceil"),
+            QuantSpec(elem="int8", scaling="axis", axis=-1),
+            QuantSpec(elem="float6_e3m2fn", scaling="tile", tile=(4, 8), scale_format="float8_e4m3fn")]
+    return list(dict.fromkeys(out))
+
+
+SPECS = _specs()
+
+
+def _varied(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Magnitudes spanning 2^-60 .. 2^60 with whole zero rows, a subnormal row and a row near float32's max."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-60, 60, shape, generator=g).float())
+    flat = x.view(-1, shape[-1])
+    flat[0] = 0.0
+    if flat.shape[0] > 2:
+        flat[1] = torch.randn(shape[-1], generator=g) * 1e-40
+        flat[2] = torch.randn(shape[-1], generator=g) * 1e37
+    flat.view(-1)[5:9] = torch.tensor([-0.0, 0.0, 1e-45, -3e38])
+    return x
+
+
+SHAPES = [(64, 96), (37, 100), (130, 200), (3, 5, 40), (257,)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_scaled_specs_match_the_kernel(spec: QuantSpec) -> None:
+    if _native_group.plan(spec) is None:
+        pytest.skip("the kernel does not take this spec (the tensor route runs)")
+    for i, shape in enumerate(SHAPES):
+        x = _varied(shape, i)
+        cases = [x, x.to(torch.bfloat16)]
+        if x.dim() == 2:
+            cases += [x.t(), x.t().to(torch.bfloat16)]
+        if spec.scaling == "tile" and x.dim() < 2:
+            continue
+        for t in cases:
+            fast, ref = _both(t, spec, offset=i * 1000)
+            assert fast is not None, (spec, shape)
+            assert fast.stride() == ref.stride() and fast.dtype == ref.dtype
+            assert_bitwise_equal(fast, ref, context=f"{spec} {tuple(t.shape)} stride {t.stride()} {t.dtype}")
+
+
+def test_every_named_spec_takes_the_kernel() -> None:
+    assert all(_native_group.plan(QuantSpec.named(n)) is not None for n in QuantSpec.names())
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "nvfp4", "fp8_e4m3_rowwise", "fp8_e4m3_128x128"])
+def test_nonfinite_groups_decline_and_the_quantizer_keeps_the_tensor_route(name: str) -> None:
+    spec = QuantSpec.named(name)
+    x = _varied((64, 256), 7)
+    x[3, 40], x[9, 200] = float("nan"), float("-inf")
+    fast, _ = _both(x, spec)
+    assert fast is None
+    with _backend.fast_paths(False):
+        ref = lowprec.quant.fake_quantize(x, spec)
+    assert_bitwise_equal(lowprec.quant.fake_quantize(x, spec), ref, context=name)
+
+
+def test_other_layouts_are_copied_and_keep_the_input_strides() -> None:
+    x = _varied((4, 6, 64), 3).permute(2, 0, 1)  # neither contiguous nor a 2-D transpose
+    spec = QuantSpec.named("mxfp8_e4m3")
+    out = lowprec.quant.fake_quantize(x, spec)
+    with _backend.fast_paths(False):
+        ref = lowprec.quant.fake_quantize(x, spec)
+    assert_bitwise_equal(out, ref) and out.stride() == ref.stride()  # type: ignore[func-returns-value]
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(64, 96), nn.Linear(96, 64), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+@pytest.mark.parametrize("recipe", ["fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp6", "mxfp4", "nvfp4",
+                                    "b200-mxfp8"])
+def test_training_through_both_routes_gives_the_same_weights(recipe: str) -> None:
+    torch.manual_seed(0)
+    base = _Net()
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    results = []
+    for fast in (True, False):
+        model = lowprec.convert(copy.deepcopy(base), recipe)
+        opt = lowprec.optim.LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), recipe)
+        with _backend.fast_paths(fast):
+            for _ in range(3):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for i, (a, b) in enumerate(zip(*results, strict=True)):
+        assert_bitwise_equal(a, b, context=f"{recipe} parameter {i}")
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "float8_e4m3fn", "int8"])
+def test_stochastic_quantize_matches_the_kernel(fmt: str) -> None:
+    x = _varied((300, 77), 11)
+    for t in (x, x.t(), x.to(torch.bfloat16)):
+        fast = lowprec.quantize(t, fmt, rounding="stochastic", seed=99, offset=5)
+        with _backend.fast_paths(False):
+            ref = lowprec.quantize(t, fmt, rounding="stochastic", seed=99, offset=5)
+        assert_bitwise_equal(fast, ref, context=f"{fmt} {t.dtype} {t.stride()}")
+
+
+@pytest.mark.parametrize("recipe", ["bf16-kahan", "bf16-sr", "bf16-pure"])
+def test_weight_updates_through_both_routes_give_the_same_weights(recipe: str) -> None:
+    torch.manual_seed(0)
+    base = _Net()
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    results = []
+    for native in (True, False):
+        model = lowprec.convert(copy.deepcopy(base), recipe)
+        opt = lowprec.optim.LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), recipe)
+        with _native.enabled(native), _backend.fast_paths(native):
+            for _ in range(4):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        results.append([p.detach().clone() for p in model.parameters()] + list(opt.compensation.values()))
+    for i, (a, b) in enumerate(zip(*results, strict=True)):
+        assert_bitwise_equal(a, b, context=f"{recipe} tensor {i}")
