@@ -29,6 +29,8 @@ typedef struct {
     int32_t special;     /* non-finite v: 0 stays (a format with inf), 1 +-fmax and NaN stays, 2 NaN */
     float fmax, fmin;    /* largest finite value; the integer format's most negative value */
     float over_value;    /* overflow without clamp_over: inf or NaN */
+    int32_t float_route; /* round to nearest by the float route (round_float_route) where the group is finite */
+    float k, cmin;       /* its constants: 1.5 * 2^(23 - M), 1.5 * 2^(23 + emin - M) */
 } lp_elem;
 
 typedef struct {
@@ -214,6 +216,21 @@ static void group_amax(const float *x, int64_t B, int64_t R, int64_t C, int64_t 
     }
 }
 
+/* Round-to-nearest-even of a finite v by the float32 route of _elementwise.round_nearest_fast (the same
+ * operations as _native.c's lp_round_nearest): clamp to +-fmax (the format saturates, so clamping first equals
+ * rounding then saturating), c = max(2^E(v) * k, cmin), r = (v + c) - c, the sign of v on zero results for formats
+ * with a negative zero.  ROUND 4: only for finite groups, signed float formats with 1..20 mantissa bits and
+ * float32's exponent range, round to nearest, clamp_over (the caller checks). */
+static inline __attribute__((always_inline)) float round_float_route(float v, const lp_elem *e)
+{
+    v = v < -e->fmax ? -e->fmax : (v > e->fmax ? e->fmax : v);
+    float c = u2f(f2u(v) & 0x7f800000u) * e->k;
+    c = c < e->cmin ? e->cmin : c;
+    float r = (v + c) - c;
+    uint32_t rb = e->neg_zero ? ((f2u(r) & 0x7fffffffu) | (f2u(v) & 0x80000000u)) : f2u(r);
+    return u2f(rb);
+}
+
 /* The rounded, dequantized elements of one row segment: one scale for all (qs: multiplier or divisor, deq) when
  * PER_COL is 0, else one per element (the arrays qsv, deqv).  RULE: 0 no scale, 1 multiply, 2 divide. */
 static inline __attribute__((always_inline)) void segment(const float *x, float *y, int64_t n, const lp_elem *e,
@@ -227,7 +244,7 @@ static inline __attribute__((always_inline)) void segment(const float *x, float 
         float m = PER_COL ? qsv[i] : qs, dq = PER_COL ? deqv[i] : deq;
         float v = RULE == 0 ? x[i] : (RULE == 1 ? x[i] * m : x[i] / m);
         uint32_t rb = ROUND == 2 ? h32(h32(cnt0 + (uint32_t)i * cstep + k1) ^ k2) : 0u;
-        float q = q_elem_k(v, e, rb, KIND, ROUND);
+        float q = ROUND == 4 ? round_float_route(v, e) : q_elem_k(v, e, rb, KIND, ROUND);
         y[i] = RULE == 0 ? q : q * dq;
     }
 }
@@ -250,6 +267,10 @@ LP_SEG_R(1, 0)
 LP_SEG_R(2, 0)
 LP_SEG_R(1, 1)
 LP_SEG_R(2, 1)
+LP_SEG(1, 4, 1, 0)
+LP_SEG(1, 4, 1, 1)
+LP_SEG(2, 4, 1, 0)
+LP_SEG(2, 4, 1, 1)
 #define LP_ROW(RULE, PC) {{seg_##RULE##01##PC, seg_##RULE##02##PC}, {seg_##RULE##11##PC, seg_##RULE##12##PC}, \
                           {seg_##RULE##21##PC, seg_##RULE##22##PC}}
 static const seg_fn SEGS[3][3][2] = {LP_ROW(0, 0), LP_ROW(1, 0), LP_ROW(2, 0)};
@@ -259,14 +280,15 @@ static const seg_fn COLS[3][3][2] = {LP_ROW(0, 0), LP_ROW(1, 1), LP_ROW(2, 1)};
 #undef LP_SEG_K
 #undef LP_SEG
 
-/* Fake-quantize x into y (module comment).  work: 3 * B * ceil(R/gr) * ceil(C/gc) floats.  Returns 0, having
+/* Fake-quantize x into y (module comment).  work: 3 * B * ceil(R/gr) * ceil(C/gc) + 2 * C floats.  Returns 0, having
  * written nothing meaningful, when a group holds NaN or inf (the caller runs the tensor route), else 1. */
 int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int64_t gr, int64_t gc,
                   const lp_elem *e, const lp_scale *s, uint32_t k1, uint32_t k2, uint32_t off, int64_t sb,
                   int64_t sr, int64_t sc, float *work)
 {
     int64_t nr = (R + gr - 1) / gr, nc = (C + gc - 1) / gc, ng = B * nr * nc;
-    float *qs = work, *deq = work + ng;
+    float *qs = work, *deq = work + ng, *rowq = work + 3 * ng, *rowd = rowq + C;
+    int64_t spread = -1;  /* the first group index of the row block whose scales rowq / rowd hold */
     uint32_t *amax = (uint32_t *)(void *)(work + 2 * ng);
     float s_t = 1.0f;
     if (s->rule != 0) {
@@ -281,10 +303,22 @@ int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int
         }
         for (int64_t g = 0; g < ng; g++) group_scale(u2f(amax[g]), s, s_t, qs + g, deq + g);
     }
+    /* the float route needs every scaled value finite: max |v| of a group is its amax scaled (rounding is
+     * monotonic); a degenerate scale (an infinite multiplier from a subnormal amax and a negative margin) keeps the
+     * exact route, whose special-value rules then apply */
+    int route = e->float_route && s->rule != 0;
+    for (int64_t g = 0; route && g < ng; g++) {
+        float a = u2f(amax[g]), vmax = s->rule == 3 ? a / qs[g] : a * qs[g];
+        route = vmax <= 0x1.fffffep127f;
+    }
     int rule = s->rule == 0 ? 0 : (s->rule == 3 ? 2 : 1);  /* power-of-two scales multiply by 2^-k */
     int rnd = e->rounding == 2 ? 2 : (e->rounding == 1 ? 1 : 0);
     int kind = e->kind == 2 ? 1 : 0;
     seg_fn seg = SEGS[rule][rnd][kind], col = COLS[rule][rnd][kind];
+    if (route) {
+        seg = rule == 1 ? seg_1410 : seg_2410;
+        col = rule == 1 ? seg_1411 : seg_2411;
+    }
     for (int64_t b = 0; b < B; b++) {
         for (int64_t r = 0; r < R; r++) {
             const float *xr = x + (b * R + r) * C;
@@ -295,12 +329,21 @@ int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int
                 seg(xr, yr, C, e, 1.0f, 1.0f, 0, 0, cnt, (uint32_t)sc, k1, k2);
             } else if (gc == 1 && nc > 1) {
                 col(xr, yr, C, e, 0.0f, 0.0f, qs + g0, deq + g0, cnt, (uint32_t)sc, k1, k2);
-            } else {
-                for (int64_t cb = 0; cb < nc; cb++) {
-                    int64_t c0 = cb * gc, c1 = c0 + gc < C ? c0 + gc : C;
-                    seg(xr + c0, yr + c0, c1 - c0, e, qs[g0 + cb], deq[g0 + cb], 0, 0,
-                        cnt + (uint32_t)((uint64_t)c0 * (uint64_t)sc), (uint32_t)sc, k1, k2);
+            } else if (nc > 1) {  /* blocks along the row: their scales spread over the row once per row block, so
+                                   * that one vectorized loop runs over the whole row */
+                if (g0 != spread) {
+                    for (int64_t cb = 0; cb < nc; cb++) {
+                        int64_t c0 = cb * gc, c1 = c0 + gc < C ? c0 + gc : C;
+                        for (int64_t c = c0; c < c1; c++) {
+                            rowq[c] = qs[g0 + cb];
+                            rowd[c] = deq[g0 + cb];
+                        }
+                    }
+                    spread = g0;
                 }
+                col(xr, yr, C, e, 0.0f, 0.0f, rowq, rowd, cnt, (uint32_t)sc, k1, k2);
+            } else {
+                seg(xr, yr, C, e, qs[g0], deq[g0], 0, 0, cnt, (uint32_t)sc, k1, k2);
             }
         }
     }

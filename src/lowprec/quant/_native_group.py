@@ -38,7 +38,8 @@ class _Elem(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("mbits", ctypes.c_int32), ("emin", ctypes.c_int32),
                 ("rounding", ctypes.c_int32), ("ties_away", ctypes.c_int32), ("clamp_over", ctypes.c_int32),
                 ("neg_zero", ctypes.c_int32), ("special", ctypes.c_int32), ("fmax", ctypes.c_float),
-                ("fmin", ctypes.c_float), ("over_value", ctypes.c_float)]
+                ("fmin", ctypes.c_float), ("over_value", ctypes.c_float), ("float_route", ctypes.c_int32),
+                ("k", ctypes.c_float), ("cmin", ctypes.c_float)]
 
 
 class _Scale(ctypes.Structure):
@@ -68,12 +69,20 @@ def _elem(fmt: FormatSpec, rounding: str, saturate: bool) -> _Elem | None:
         return None  # exponent-only element formats: the tensor route
     if not (_f32_exact(fmt.max) and _f32_exact(fmt.min)):
         return None
+    from ._elementwise import fast_round_ok, route_constants, route_fits  # (it imports this module)
+
+    clamp_over = saturate or fmt.special == "finite" or rounding == "toward_zero"
+    # round-to-nearest by the float route (_elementwise's docstring has the proof), where every value is finite
+    # and clamped first; its constants are exact float32 numbers
+    route = kind == 1 and clamp_over and fast_round_ok(fmt, rounding)
+    k, cmin = route_constants(fmt) if route else (0.0, 0.0)
+    route = route and _f32_exact(k) and _f32_exact(cmin) and route_fits(fmt, fmt.max)
     return _Elem(kind=kind, mbits=fmt.mbits, emin=fmt.emin, rounding=_ROUNDING[rounding],
-                 ties_away=int(fmt.mbits == 0),
-                 clamp_over=int(saturate or fmt.special == "finite" or rounding == "toward_zero"),
+                 ties_away=int(fmt.mbits == 0), clamp_over=int(clamp_over),
                  neg_zero=int(fmt.kind == "float" and fmt.has_negative_zero),
                  special=0 if fmt.has_inf else (1 if fmt.special == "finite" else 2),
-                 fmax=fmt.max, fmin=fmt.min, over_value=math.inf if fmt.has_inf else math.nan)
+                 fmax=fmt.max, fmin=fmt.min, over_value=math.inf if fmt.has_inf else math.nan,
+                 float_route=int(route), k=k if route else 0.0, cmin=cmin if route else 0.0)
 
 
 def _mantissa(value: float) -> int:
@@ -201,7 +210,7 @@ def fake(x: torch.Tensor, spec: QuantSpec, keys: torch.Tensor | None, offset: to
         k1, k2 = (int(k) & 0xFFFFFFFF for k in keys.tolist())
         off = int(offset) & 0xFFFFFFFF
     ng = b * -(-r // gr) * -(-c // gc)
-    work = torch.empty(3 * ng, dtype=torch.float32)
+    work = torch.empty(3 * ng + 2 * c, dtype=torch.float32)
     y = torch.empty_like(v.base)
     ok = lib.lp_group_fake(v.base.data_ptr(), y.data_ptr(), b, r, c, gr, gc, ctypes.byref(p.elem),
                            ctypes.byref(p.scale), k1, k2, off, sb, sr, sc, work.data_ptr())
