@@ -28,7 +28,7 @@ import torch
 
 from ..formats import FormatSpec
 from . import _native
-from ._scale_rules import _SCALE_ROUNDING_TO_ELEM, uses_multiplier
+from ._scale_rules import _SCALE_ROUNDING_TO_ELEM, _mantissa_bits, uses_multiplier
 from ._spec import QuantSpec
 
 _ROUNDING = {"nearest": 0, "toward_zero": 1, "stochastic": 2, "away": 3}
@@ -85,10 +85,6 @@ def _elem(fmt: FormatSpec, rounding: str, saturate: bool) -> _Elem | None:
                  float_route=int(route), k=k if route else 0.0, cmin=cmin if route else 0.0)
 
 
-def _mantissa(value: float) -> int:
-    return int(struct.unpack("<I", struct.pack("<f", value))[0]) & 0x7FFFFF
-
-
 def _scale(spec: QuantSpec) -> _Scale | None:
     """``_scale.group_scale``'s rule for ``spec`` as the kernel's parameters (None: not supported here)."""
     fmt, sfmt = spec.format, spec.scale_spec
@@ -101,7 +97,7 @@ def _scale(spec: QuantSpec) -> _Scale | None:
             return None  # the kernel multiplies by 2^-k, exact for |k| <= 127
         mode = {"floor": 0, "ceil": 1, "nearest": 2}[spec.scale_rounding]
         return _Scale(rule=2, pow2_mode=mode, margin=spec.margin, elem_max=fmt.max, elem_emax=fmt.emax,
-                      elem_max_mant=_mantissa(fmt.max), s_emin=sfmt.emin, s_emax=sfmt.emax)
+                      elem_max_mant=_mantissa_bits(fmt.max), s_emin=sfmt.emin, s_emax=sfmt.emax)
     se = _elem(sfmt, _SCALE_ROUNDING_TO_ELEM[spec.scale_rounding], True)
     denom = fmt.max * sfmt.max if spec.tensor_scale else 1.0
     if se is None or not (_f32_exact(sfmt.min_subnormal) and _f32_exact(sfmt.max) and _f32_exact(denom)):
@@ -242,12 +238,11 @@ def kahan_update(p: torch.Tensor, old: torch.Tensor, c: torch.Tensor, fmt: Forma
     onto ``fmt``.  False (nothing changed) where the kernel does not apply: the caller runs the tensor
     operations."""
     lib = _native.lib()
-    if lib is None or not (p.shape == old.shape == c.shape) or p.numel() == 0:
+    spec = elementwise_spec(fmt, "nearest", False)
+    pl = plan(spec) if spec is not None else None  # cached per spec: no per-step parameter building
+    if lib is None or pl is None or pl.elem.kind == 0 or not (p.shape == old.shape == c.shape) or p.numel() == 0:
         return False
-    if not all(usable(t) and t.dtype == torch.float32 and t.is_contiguous() for t in (p, old, c)):
+    if not all(_native.usable(t) for t in (p, old, c)):  # contiguous float32 CPU tensors outside autograd
         return False
-    e = _elem(fmt, "nearest", False)
-    if e is None or e.kind == 0:
-        return False
-    lib.lp_kahan_update(p.data_ptr(), old.data_ptr(), c.data_ptr(), p.numel(), ctypes.byref(e))
+    lib.lp_kahan_update(p.data_ptr(), old.data_ptr(), c.data_ptr(), p.numel(), ctypes.byref(pl.elem))
     return True
