@@ -454,7 +454,7 @@ _DYNAMO_FUNCTION_WARNING = (
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings(_DYNAMO_FUNCTION_WARNING)
-@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "mxfp8", "h100-fp8"])
 def test_compiled_model_matches_eager(recipe: str) -> None:
     """torch.compile(model) (inductor, default options) gives bit-identical outputs, input gradients and weight
     gradients to the eager converted model (oracle: the eager path).

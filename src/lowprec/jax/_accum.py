@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import formats
+from .._errors import UsageError
 from ..recipes import Accumulator
 from ._round import quantize_f32
 
@@ -49,6 +50,9 @@ def accumulate_matmul(a: jax.Array, b: jax.Array, acc: Accumulator) -> jax.Array
     inside one loop body into a fused multiply-add (one rounding instead of two), which PyTorch's separate
     multiply and add do not do; products formed outside the adding loop are rounded to float32 first.
     """
+    if acc.block is not None:
+        raise UsageError("Accumulator.block (the blocked fused multiply-add model) runs in PyTorch only "
+                         "(lowprec.nn); the JAX binding emulates the sequential model: leave block and bits out")
     if acc.format is None:
         return matmul_nt(a, b)
     fmt = formats.get(acc.format)

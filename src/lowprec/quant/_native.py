@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = (Path(__file__).with_name("_native.c"), Path(__file__).with_name("_native_group.c"))
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("_native.c", "_native_group.c", "_native_accum.c"))
 """The kernels: elementwise rounding, amax and statistics here; scaled fake quantization of any spec in
-``_native_group.c`` (its Python side: ``_native_group``)."""
+``_native_group.c`` (its Python side: ``_native_group``); GEMMs through an emulated accumulator in
+``_native_accum.c`` (its Python side: ``lowprec.nn._accum``)."""
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off", "-fno-fast-math",
           "-fno-strict-aliasing", "-fopenmp-simd")
 _state: dict[str, object] = {}
@@ -94,6 +95,10 @@ def _build() -> ctypes.CDLL | None:
     lib.lp_group_fake.restype = i32
     lib.lp_kahan_update.argtypes = [ptr, ptr, ptr, i64, ptr]
     lib.lp_kahan_update.restype = None
+    lib.lp_accum_seq.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, i32]
+    lib.lp_accum_seq.restype = None
+    lib.lp_accum_blocked.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i32, ptr]
+    lib.lp_accum_blocked.restype = None
     return lib
 
 

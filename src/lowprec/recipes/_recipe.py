@@ -90,27 +90,63 @@ class Operand:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Accumulator:
-    """How a GEMM accumulates.
+    """How a GEMM accumulates ``out[m, n] = sum_k a[m, k] * b[n, k]``: one of three models.
 
-    ``format=None`` is a float32 accumulator (a plain float32 matmul).  Otherwise products are added one at a time
-    into an accumulator that is rounded to ``format`` after every addition (``acc = Q(fl32(acc + a_k * b_k))``), and
-    every ``chunk`` products the partial sum is promoted: added into a float32 total and restarted at zero.  This
-    is the model of limited-precision tensor-core accumulation (DeepSeek-V3: about 14 mantissa bits on H800,
-    promoted every 128 elements); it costs one elementwise pass per reduction index.
+    * ``format=None, block=None`` (the default): a float32 accumulator, i.e. a plain float32 matmul.
+    * Sequential (``format`` set, ``block=None``): products are added one at a time into an accumulator rounded to
+      ``format`` after every addition (``acc = Q(fl32(acc + a_k * b_k))``), and every ``chunk`` products the partial
+      sum is promoted: added into a float32 total and restarted at zero.  This is the model of DeepSeek-V3's report
+      on H800 fp8 tensor cores (about 14 significant bits, promoted every 128 products).
+    * Blocked fused multiply-add (``block=n``): for each run of ``n`` reduction indices, the exact products and the
+      accumulator are aligned to the largest exponent among them, each truncated toward zero to ``bits``
+      significant bits relative to it, summed exactly, and the sum rounded once (``rounding``) into ``format``
+      (float32 when None); promotion every ``chunk`` products as above.  This is the model Fasi, Higham, Mikaitis
+      and Pranesh measured on NVIDIA tensor cores ("Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021:
+      V100 and T4 add blocks of n = 4 fp16 products with no extra alignment bits, 24, and truncate the result).
+
+    ``emulated`` is False only for the plain float32 accumulator.  See docs/recipes.md, "The accumulator model".
     """
 
     format: str | None = None
     """Accumulator format name (e.g. a custom e8m13), or None for float32."""
     chunk: int | None = None
-    """Promote to float32 every ``chunk`` products (None: never)."""
+    """Promote to float32 every ``chunk`` products (None: never); with ``block``, a multiple of it."""
     rounding: AccumulatorRounding = "nearest"
-    """Rounding of each accumulation step into ``format``."""
+    """Rounding of each accumulation step into ``format`` (the sequential model) or of each block's sum."""
+    block: int | None = None
+    """Products per fused multiply-add of the blocked model (None: the sequential model)."""
+    bits: int | None = None
+    """The blocked model's alignment precision: significant bits kept of each term, relative to the block's largest
+    exponent (24 keeps float32's significand and no extra bit).  Required with ``block``, not allowed without."""
 
     def __post_init__(self) -> None:
         _format_name(self.format, "Accumulator.format")
         if self.chunk is not None:
             check_int(self.chunk, "Accumulator.chunk", 1, _MAX_INT)
         check_literal(self.rounding, "Accumulator.rounding", AccumulatorRounding)
+        if self.block is None:
+            if self.bits is not None:
+                raise UsageError("Accumulator.bits is the blocked model's alignment precision: set Accumulator.block "
+                                 "(products per fused multiply-add) too, or leave bits out")
+            return
+        check_int(self.block, "Accumulator.block", 1, 1024)
+        if self.bits is None:
+            raise UsageError("Accumulator.block needs Accumulator.bits, the significant bits kept of each aligned "
+                             "term (e.g. 24 for NVIDIA V100 fp16 tensor cores)")
+        check_int(self.bits, "Accumulator.bits", 2, 48)
+        if self.chunk is not None and self.chunk % self.block:
+            raise UsageError(f"Accumulator.chunk must be a multiple of Accumulator.block ({self.block}) so that "
+                             f"promotion falls between blocks; got {self.chunk}")
+        if self.format is not None:
+            fmt = formats.get(self.format)
+            if fmt.kind != "float" or fmt.special != "ieee" or not fmt.signed:
+                raise UsageError(f"Accumulator.format with block: the blocked model rounds into a signed IEEE-style "
+                                 f"float format (with infinities), such as e8m13 or float16; got {self.format!r}")
+
+    @property
+    def emulated(self) -> bool:
+        """Whether GEMMs through this accumulator differ from a plain float32 matmul (any model but the default)."""
+        return self.format is not None or self.block is not None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
