@@ -139,6 +139,32 @@ def test_blocked_kernel_equals_exact_oracle(acc: Accumulator) -> None:
     assert_bitwise_equal(A._blocked_tensor(a, b, acc), want, context=f"tensor route {acc}")
 
 
+@pytest.mark.parametrize("acc", [Accumulator(block=4, bits=24, rounding="toward_zero"),
+                                 Accumulator(block=8, bits=14, format="e8m13", rounding="nearest", chunk=16)],
+                         ids=["float32", "e8m13"])
+def test_blocked_special_and_subnormal_values(acc: Accumulator) -> None:
+    """Blocks with an infinite or NaN term (the IEEE sum of the block: the kernel's scalar route), results in
+    float32's subnormal range (products near 2^-140: q_ieee's scalar route), overflow past the format's largest
+    value, rows of -0 products: the kernel equals the tensor route, and on the finite rows the exact oracle."""
+    a = _values((6, 40), 13, torch.float16)
+    b = _values((34, 40), 14, torch.float16)
+    a[0, 3] = float("inf")
+    a[1, 9] = float("nan")
+    b[2, 17] = float("-inf")
+    a[2, :] = 2.0**-70  # subnormal results
+    b[3, :] = 2.0**-72
+    a[3, :] = -0.0
+    a[4, :] = 2.0**100  # beyond float32 / e8m13 range after a few additions
+    b[5, :] = 2.0**60
+    got = A.accumulate_matmul(a, b, acc)
+    assert_bitwise_equal(got, A._blocked_tensor(a, b, acc), context=f"special {acc}")
+    rows, cols = [2, 3, 5], [j for j in range(34) if j != 2]  # no infinite or NaN operand
+    want = torch.tensor(A.blocked_reference(a[rows].tolist(), b[cols].tolist(), acc), dtype=torch.float32)
+    assert_bitwise_equal(got[rows][:, cols], want, context=f"oracle {acc}")
+    assert torch.isinf(got).any() and torch.isnan(got).any()
+    assert ((got[2] != 0) & (got[2].abs() < 2.0**-126)).any()  # really subnormal results
+
+
 def test_blocked_truncation_hand_worked() -> None:
     """Fasi et al.'s kind of distinguishing test: c = 1 (the first block) plus one product t = 3 * 2^-25 = 0.75 ulp
     of 1 in float32.

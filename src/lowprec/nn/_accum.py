@@ -29,7 +29,7 @@ The blocked fused multiply-add model (Fasi, Higham, Mikaitis and Pranesh, 2021) 
     (promotion every chunk products as above)
 
 ``blocked_reference`` is that definition in exact rational arithmetic (the oracle); the C kernel computes it with
-exact products in double and the aligned terms as 64-bit integers.
+exact products in double, the aligned terms truncated to integers and summed exactly, vectorized over columns.
 
 Inside ``torch.compile`` the kernels are one opaque operator (``torch.ops.lowprec.accumulate_matmul``): the
 graph around it is compiled, the accumulation runs as eagerly.  Where no C compiler is available (or

@@ -20,7 +20,8 @@
  * products and the accumulator c are aligned to the largest exponent among them, each truncated toward zero to
  * `bits` significant bits relative to that exponent, summed exactly, and the sum rounded once into the accumulator
  * format (float32 unless `format` is set) with `rounding`.  Products are exact in double for float32 operands;
- * the aligned terms are integers below 2^bits, their sum an exact int64 (bits <= 48, n <= 1024).
+ * the aligned terms are integers below 2^bits, summed exactly in double where bits + log2(n + 1) <= 53 (the
+ * vectorized blocked_tile), else as int64 (blocked_block; bits <= 48, n <= 1024).
  */
 #include <math.h>
 #include <stdint.h>
@@ -150,51 +151,147 @@ static inline int binade(double x)
     return e - 1;
 }
 
-/* a: [M, K], b: [K, ldb] as above; n: block size; bits: significant bits kept at alignment; f: the format the
- * block sum is rounded into (float32: mbits 23, emin -126, emax 127). */
+static inline uint64_t d2u(double d) { uint64_t u; memcpy(&u, &d, 8); return u; }
+static inline double u2d(uint64_t u) { double d; memcpy(&d, &u, 8); return d; }
+
+/* One output of the blocked model, scalar: the definition, also the route for blocks with an infinite or NaN term
+ * and for alignments too wide for the vector route's double sums. */
+static double blocked_block(double c, const float *a, const float *b, int64_t ldb, int64_t kn, int32_t bits,
+                            const lp_acc_fmt *f)
+{
+    double t[1025];
+    int64_t nt = 0;
+    int emax = INT32_MIN, special = 0;
+    t[nt++] = c;
+    for (int64_t i = 0; i < kn; ++i) t[nt++] = (double)a[i] * (double)b[i * ldb];
+    double plain = 0.0; /* the IEEE sum, used only when some term is NaN or infinite */
+    for (int64_t i = 0; i < nt; ++i) {
+        plain += t[i];
+        if (!isfinite(t[i])) special = 1;
+        else if (t[i] != 0.0) {
+            int e = binade(t[i]);
+            if (e > emax) emax = e;
+        }
+    }
+    if (special) return plain; /* inf + finite = inf, inf - inf = NaN, NaN propagates */
+    if (emax == INT32_MIN) {
+        int neg = signbit(c) != 0; /* every term zero: +0 unless every one of them is -0 */
+        for (int64_t i = 1; i < nt; ++i) neg &= signbit(t[i]) != 0;
+        return neg ? -0.0 : 0.0;
+    }
+    int qe = emax - bits + 1;
+    int64_t sum = 0;
+    for (int64_t i = 0; i < nt; ++i) sum += (int64_t)trunc(ldexp(t[i], -qe));
+    return q_ieee(ldexp((double)sum, qe), f);
+}
+
+#define NB 16 /* columns per tile of the blocked model */
+
+/* NB outputs of one row, vectorized over the columns: per block, pass 1 finds each column's largest biased
+ * exponent among c and the products (every product of two floats is a normal double; a zero has exponent field
+ * 0, below all of them), pass 2 forms each aligned term trunc(t * 2^-qe), exact, and sums them in double, exact
+ * while bits + log2(n + 1) <= 53 (the caller checks).  A column with an infinite or NaN term (exponent field 2047)
+ * is redone by blocked_block. */
+static void blocked_tile(const float *a, const float *b, float *out, int64_t nc, int64_t ldb, int64_t K,
+                         int64_t chunk, int64_t n, int32_t bits, const lp_acc_fmt *f)
+{
+    double c[NB];
+    float total[NB];
+    const int tz = f->toward_zero;
+    const uint64_t dsh = (uint64_t)(52 - f->mbits), dmask = (1ull << dsh) - 1u, dhalf = dmask >> 1;
+    const uint64_t dnorm = d2u(ldexp(1.0, f->emin)), dmax = d2u(f->maxv);
+    for (int j = 0; j < NB; ++j) { c[j] = 0.0; total[j] = 0.0f; }
+    int64_t since = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += n) {
+        const int64_t kn = K - k0 < n ? K - k0 : n;
+        uint64_t emx[NB], neg[NB];
+        for (int j = 0; j < NB; ++j) {
+            uint64_t u = d2u(c[j]);
+            emx[j] = (u >> 52) & 0x7ff;
+            neg[j] = u >> 63;
+        }
+        for (int64_t i = 0; i < kn; ++i) {
+            const double av = (double)a[k0 + i];
+            const float *bk = b + (k0 + i) * ldb;
+#pragma omp simd
+            for (int j = 0; j < NB; ++j) {
+                uint64_t u = d2u(av * (double)bk[j]);
+                uint64_t e = (u >> 52) & 0x7ff;
+                emx[j] = e > emx[j] ? e : emx[j];
+                neg[j] &= u >> 63;
+            }
+        }
+        double scale[NB], unscale[NB], sum[NB];
+#pragma omp simd
+        for (int j = 0; j < NB; ++j) {
+            uint64_t e = emx[j] < 600 ? 600 : emx[j]; /* all-zero columns: any scale; 600 keeps both in range */
+            scale[j] = u2d((uint64_t)(2045 + bits - (int64_t)e) << 52);   /* 2^-qe, qe = e - 1023 - bits + 1 */
+            unscale[j] = u2d((uint64_t)((int64_t)e - bits + 1) << 52);     /* 2^qe */
+            sum[j] = (double)(int64_t)(c[j] * scale[j]); /* trunc: the cast rounds toward zero (|x| < 2^53) */
+        }
+        for (int64_t i = 0; i < kn; ++i) {
+            const double av = (double)a[k0 + i];
+            const float *bk = b + (k0 + i) * ldb;
+#pragma omp simd
+            for (int j = 0; j < NB; ++j) sum[j] += (double)(int64_t)(av * (double)bk[j] * scale[j]);
+        }
+        /* The sums into the format: in its normal range q_ieee is a mask on the double's bits (ties to even by
+         * the carry trick, as in seq_tile); zero, subnormal and overflowing results take q_ieee itself. */
+        double res[NB];
+        uint64_t odd[NB];
+#pragma omp simd
+        for (int j = 0; j < NB; ++j) {
+            uint64_t u = d2u(sum[j] * unscale[j]), mag = u & 0x7fffffffffffffffull;
+            uint64_t r = tz ? (mag & ~dmask) : ((mag + dhalf + ((mag >> dsh) & 1u)) & ~dmask);
+            res[j] = u2d(r | (u & 0x8000000000000000ull));
+            odd[j] = (mag < dnorm) | (r > dmax);
+        }
+        for (int j = 0; j < NB; ++j) {
+            if (j >= nc) break;
+            if (emx[j] == 0x7ff) c[j] = blocked_block(c[j], a + k0, b + k0 * ldb + j, ldb, kn, bits, f);
+            else if (emx[j] == 0) c[j] = neg[j] ? -0.0 : 0.0;
+            else c[j] = odd[j] ? q_ieee(sum[j] * unscale[j], f) : res[j];
+        }
+        since += kn;
+        if (chunk > 0 && since >= chunk) {
+            for (int j = 0; j < NB; ++j) {
+                total[j] = total[j] + (float)c[j];
+                c[j] = 0.0;
+            }
+            since = 0;
+        }
+    }
+    for (int64_t j = 0; j < nc; ++j) out[j] = total[j] + (float)c[j];
+}
+
+/* a: [M, K], b: [K, ldb] as above (ldb a multiple of NB); n: block size; bits: significant bits kept at alignment;
+ * f: the format the block sum is rounded into (float32: mbits 23, emin -126, emax 127). */
 void lp_accum_blocked(const float *a, const float *b, float *out, int64_t M, int64_t N, int64_t ldb, int64_t K,
                       int64_t chunk, int64_t n, int32_t bits, const lp_acc_fmt *f)
 {
+    int wide = bits + 64 - __builtin_clzll((unsigned long long)n) > 53; /* n + 1 terms below 2^bits: exact sums */
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < N; ++j) {
-            float total = 0.0f;
-            double c = 0.0; /* the accumulator, a value of the format */
-            int64_t since = 0;
-            for (int64_t k0 = 0; k0 < K; k0 += n) {
-                int64_t kn = K - k0 < n ? K - k0 : n;
-                double t[1025];
-                int64_t nt = 0;
-                int emax = INT32_MIN, special = 0;
-                t[nt++] = c;
-                for (int64_t i = 0; i < kn; ++i) t[nt++] = (double)a[m * K + k0 + i] * (double)b[(k0 + i) * ldb + j];
-                double plain = 0.0; /* the IEEE sum, used only when some term is NaN or infinite */
-                for (int64_t i = 0; i < nt; ++i) {
-                    plain += t[i];
-                    if (!isfinite(t[i])) special = 1;
-                    else if (t[i] != 0.0) {
-                        int e = binade(t[i]);
-                        if (e > emax) emax = e;
+        for (int64_t j0 = 0; j0 < N; j0 += NB) {
+            int64_t nc = N - j0 < NB ? N - j0 : NB;
+            if (!wide) {
+                blocked_tile(a + m * K, b + j0, out + m * N + j0, nc, ldb, K, chunk, n, bits, f);
+                continue;
+            }
+            for (int64_t j = j0; j < j0 + nc; ++j) {
+                float total = 0.0f;
+                double c = 0.0;
+                int64_t since = 0;
+                for (int64_t k0 = 0; k0 < K; k0 += n) {
+                    int64_t kn = K - k0 < n ? K - k0 : n;
+                    c = blocked_block(c, a + m * K + k0, b + k0 * ldb + j, ldb, kn, bits, f);
+                    since += kn;
+                    if (chunk > 0 && since >= chunk) {
+                        total = total + (float)c;
+                        c = 0.0;
+                        since = 0;
                     }
                 }
-                if (special) {
-                    c = plain; /* inf + finite = inf, inf - inf = NaN, NaN propagates */
-                } else if (emax == INT32_MIN) {
-                    int neg = signbit(c) != 0; /* every term zero: +0 unless every one of them is -0 */
-                    for (int64_t i = 1; i < nt; ++i) neg &= signbit(t[i]) != 0;
-                    c = neg ? -0.0 : 0.0;
-                } else {
-                    int qe = emax - bits + 1;
-                    int64_t sum = 0;
-                    for (int64_t i = 0; i < nt; ++i) sum += (int64_t)trunc(ldexp(t[i], -qe));
-                    c = q_ieee(ldexp((double)sum, qe), f);
-                }
-                since += kn;
-                if (chunk > 0 && since >= chunk) {
-                    total = total + (float)c;
-                    c = 0.0;
-                    since = 0;
-                }
+                out[m * N + j] = total + (float)c;
             }
-            out[m * N + j] = total + (float)c;
         }
 }
