@@ -531,3 +531,17 @@ def test_sign_symmetry(fmt: str) -> None:
     a = lowprec.quantize(x, fmt, rounding="stochastic", seed=123, offset=4)
     b = lowprec.quantize(-x, fmt, rounding="stochastic", seed=123, offset=4)
     assert_same_bits(b, -a, f"{fmt} sign symmetry")
+
+
+def test_derive_keys_python_route_equals_tensor_route() -> None:
+    """Eagerly on CPU, ``derive_keys`` computes the step's keys on Python ints; the words equal the int32 tensor
+    operations (the route compiled code and other devices take) for keys of either sign and steps across the
+    32-bit boundary."""
+    from lowprec.quant import _random
+
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        keys = torch.randint(-(2**31), 2**31, (2,), dtype=torch.int32, generator=g)
+        for step in (0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1, 2**32 + 5, 2**40 + 3):
+            st = torch.tensor(step, dtype=torch.int64)
+            assert torch.equal(_random.derive_keys(keys, st), _random._derive_keys_tensor(keys, st)), (keys, step)

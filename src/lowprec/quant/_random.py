@@ -69,8 +69,19 @@ def derive_keys(keys: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Keys for step ``step`` of a stream (int32 tensor ops, so compiled code does not specialise on the step).
 
     ``k1' = h(k1 ^ h(s_lo ^ SALT) ^ h(s_hi))``, ``k2' = h(k2 ^ k1')`` with ``s`` the 64-bit step; the same words as
-    ``derive_keys_py``.
+    ``derive_keys_py``.  Eagerly, for plain CPU tensors, the words are computed on Python ints (one read of each
+    tensor instead of some forty small tensor operations, per linear layer and step); the same words.
     """
+    if (not torch.compiler.is_compiling() and type(keys) is torch.Tensor and type(step) is torch.Tensor
+            and keys.device.type == "cpu" and step.device.type == "cpu"):
+        k1, k2 = keys.tolist()
+        n1, n2 = derive_keys_py(k1 & _MASK32, k2 & _MASK32, int(step))
+        return torch.tensor([_to_i32(n1), _to_i32(n2)], dtype=torch.int32)
+    return _derive_keys_tensor(keys, step)
+
+
+def _derive_keys_tensor(keys: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """``derive_keys`` as int32 tensor operations (compiled regions, other devices)."""
     s = step.to(torch.int64)
     lo = (s & _MASK32).to(torch.int64)
     lo = torch.where(lo >= 1 << 31, lo - (1 << 32), lo).to(torch.int32)
