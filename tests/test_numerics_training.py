@@ -199,6 +199,38 @@ def test_loss_scaler_other_factors_and_kinds() -> None:
     assert off.scale == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [None, "inf", "nan"])
+def test_loss_scaler_fused_check_equals_per_gradient_loop(dtype: torch.dtype, bad: str | None) -> None:
+    """The fused unscale-and-check (torch's ``_amp_foreach_non_finite_check_and_unscale_``, as GradScaler) gives
+    the bits and the verdict of the per-gradient loop it replaced (``g.mul_(1 / scale)``, ``isfinite(g).all()``,
+    written out below as the oracle), for a scale that is not a power of two, in float32, bf16 and fp16."""
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(37, 19, generator=g).to(dtype) * 3000, torch.randn(5, generator=g).to(dtype)]
+    if bad is not None:
+        grads[0][4, 7] = float(bad)
+
+    def params(gs: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for t in gs:
+            p = torch.zeros_like(t, requires_grad=True)
+            p.grad = t.clone()
+            out.append(p)
+        return out
+
+    fused, loop = params(grads), params(grads)
+    s = LossScaler(LossScaling(kind="dynamic", init_scale=3000.0))
+    ok = s.unscale_and_check(fused)
+    inv = 1.0 / 3000.0
+    want = True
+    for p in loop:  # the loop, by hand
+        p.grad.mul_(inv)
+        want &= bool(torch.isfinite(p.grad).all())
+    assert ok is want is (bad is None)
+    for a, b in zip(fused, loop, strict=True):
+        assert_bitwise_equal(a.grad, b.grad, context=f"{dtype} {bad}")
+
+
 def test_loss_scaler_unscale_and_check() -> None:
     """unscale_and_check divides gradients by the scale in place (exact for a power-of-two scale) and reports
     whether all are finite; state_dict round-trips (oracle: hand values)."""

@@ -39,7 +39,14 @@ class LossScaler:
         if not self.enabled:
             return True
         inv = 1.0 / self.scale
-        finite = torch.ones((), dtype=torch.bool)
+        if grads and all(type(g) is torch.Tensor and g.device == grads[0].device and g.is_floating_point()
+                         for g in grads):
+            # One fused pass per gradient, as torch.amp.GradScaler: g *= inv in place, and the non-finite check.
+            dev = grads[0].device
+            found = torch.zeros(1, dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), inv, device=dev))
+            return not bool(found.item())
+        finite = torch.ones((), dtype=torch.bool)  # DTensor shards, mixed devices: one gradient at a time
         for g in grads:
             g.mul_(inv)
             finite &= torch.isfinite(g).all().cpu()
