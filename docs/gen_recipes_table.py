@@ -96,7 +96,8 @@ def describe_spec(spec: QuantSpec | None) -> str:
     scale = f"{sfmt} scale" if sfmt == "float32" else f"{sfmt} scale ({spec.scale_rounding})"
     extra = []
     if spec.tensor_scale:
-        extra.append("+ float32 tensor scale")
+        rule = "" if spec.two_level_rule == "te" else f" ({spec.two_level_rule} rule)"
+        extra.append("+ float32 tensor scale" + rule)
     if spec.margin:
         extra.append(f"margin 2^{spec.margin}")
     if not spec.saturate:

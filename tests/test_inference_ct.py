@@ -14,8 +14,9 @@ Findings (each pinned by a test below):
 - MXFP8 / MXFP4: compressed-tensors' E8M0 scale is not OCP's floor rule: it rounds the group amax to a power of
   two with a mantissa threshold (``round_to_power_2`` with e2m1's mantissa width, for MXFP8 too), so groups
   whose amax has mantissa >= 1.75 get twice lowprec's scale.  Groups with the same scale agree bit for bit.
-- NVFP4: same e4m3 group scales and codes; dequantization order differs (compressed-tensors ``codes * (s /
-  global_scale)``), at most 1 float32 ulp.
+- NVFP4: same e4m3 group scales (but for all-zero groups: compressed-tensors' 0.125, lowprec's and
+  TransformerEngine's 0) and codes; dequantization order differs (compressed-tensors ``codes * (s /
+  global_scale)``), at most 1 float32 ulp on this weight.  tests/test_nvfp4_kernels.py has the full comparison.
 """
 
 from __future__ import annotations
@@ -183,10 +184,11 @@ def test_mx_scale_rule_differs(name: str, emax: int, n_groups: int) -> None:
 
 
 def test_nvfp4_within_one_ulp() -> None:
-    """Same float32 tensor scale (``amax / (448 * 6)``), e4m3 group scales and e2m1 codes; compressed-tensors
-    dequantizes as ``codes * (s_e4m3 / global_scale)`` with ``global_scale = 448 * 6 / amax``, lowprec in another
-    order, so 18077 of 131072 elements differ by exactly 1 float32 ulp (a code or scale difference would be far
-    larger: adjacent e2m1 codes are >= 1/3 apart relatively)."""
+    """Same e4m3 group scales (all-zero row aside: 0.125 there, lowprec's TE rule 0; both dequantize to 0) and e2m1
+    codes; compressed-tensors dequantizes as ``codes * (s_e4m3 / global_scale)`` with ``global_scale = 448 * 6 /
+    amax``, lowprec as ``codes * (s_e4m3 * fl(amax / (448 * 6)))``, so 18077 of 131072 elements differ by exactly 1
+    float32 ulp (a code or scale difference would be far larger: adjacent e2m1 codes are >= 1/3 apart
+    relatively)."""
     w = _weight()
     ref, _, _ = _ct_fake_quantize(w, "nvfp4")
     got = I.fake_quantize_weight(w, _ws("nvfp4"))

@@ -117,30 +117,54 @@ def ref_mx(x: np.ndarray, elem: str, *, block: int = 32, axis: int = -1, roundin
     return np.moveaxis(out, -1, axis), np.moveaxis(sbytes, -1, axis)
 
 
-def ref_nvfp4(x: np.ndarray):
-    """Slow NVFP4 reference: (values, e4m3 block scales as float32, tensor scale), all float32 arithmetic."""
+def ref_nvfp4(x: np.ndarray, rule: str = "te"):
+    """Slow NVFP4 reference: (values, e4m3 block scales as float32, tensor scale), all float32 arithmetic.
+
+    ``rule="te"``: TransformerEngine's kernels (transformer_engine/common/cast/nvfp4/core_nvfp4.cuh and
+    quantize_transpose_nvfp4.cuh; its Python reference custom_recipes/reference_nvfp4.py): S_enc = 2688 / amax
+    (float32 max at most, 1 for amax 0), S_dec = 1 / S_enc, block scale e4m3(block_amax * (S_enc * fl(1/6))) with
+    no lower bound, elements clamp(x * min(1 / (s * S_dec), float32 max), -6, 6) rounded to e2m1; the decode scale
+    s * fl(amax / 2688) (TE's GEMM alpha and dequantize use amax / (6 * 448)).  ``rule="divide"``: lowprec's
+    earlier rule (s_t = amax / 2688 >= 2^-126, block scale (block_amax / 6) / s_t clamped to [2^-9, 448], x / eff).
+    """
     x = np.asarray(x, dtype=np.float32)
     f = np.float32
+    fmax = f(np.finfo(np.float32).max)
     amax_t = f(np.max(np.abs(x)))
     nb = max(1, -(-x.shape[-1] // 16))
     out = np.zeros_like(x)
     scales = np.zeros(x.shape[:-1] + (nb,), dtype=np.float32)
     if not np.isfinite(amax_t):
         return np.full_like(x, np.nan), np.full_like(scales, np.nan), f(np.nan)
-    s_t = f(1.0) if amax_t == 0 else max(f(amax_t / f(6 * 448)), f(2.0**-126))
+    if rule == "te":
+        with np.errstate(divide="ignore", over="ignore"):
+            s_enc = f(1.0) if amax_t == 0 else min(f(f(6 * 448) / amax_t), fmax)
+            s_dec = f(f(1.0) / s_enc)
+            m6 = f(s_enc * f(1.0 / 6.0))
+        s_t = f(1.0) if amax_t == 0 else max(f(amax_t / f(6 * 448)), f(2.0**-149))
+    else:
+        s_t = f(1.0) if amax_t == 0 else max(f(amax_t / f(6 * 448)), f(2.0**-126))
     for idx in np.ndindex(*x.shape[:-1]):
         for b in range(nb):
             sl = idx + (slice(b * 16, (b + 1) * 16),)
             blk = x[sl]
             if blk.size == 0:
                 continue
-            raw = f(f(np.max(np.abs(blk))) / f(6.0))
-            raw = f(raw / s_t)
-            s = cast_elem(np.array([raw]), "float8_e4m3fn")[0]  # e4m3, nearest-even, saturating
-            s = f(min(max(s, f(2.0**-9)), f(448.0)))  # clamp to [smallest subnormal, max]
+            bmax = f(np.max(np.abs(blk)))
+            if rule == "te":
+                s = cast_elem(np.array([f(bmax * m6)]), "float8_e4m3fn")[0]  # nearest-even, saturating, may be 0
+                with np.errstate(divide="ignore", over="ignore"):
+                    m = min(f(f(1.0) / f(s * s_dec)), fmax)
+                    v = np.clip((blk * m).astype(np.float32), f(-6.0), f(6.0))
+                q = cast_elem(v, "float4_e2m1fn")
+                eff = f(s * s_t)
+            else:
+                raw = f(f(bmax / f(6.0)) / s_t)
+                s = cast_elem(np.array([raw]), "float8_e4m3fn")[0]  # e4m3, nearest-even, saturating
+                s = f(min(max(s, f(2.0**-9)), f(448.0)))  # clamp to [smallest subnormal, max]
+                eff = f(s * s_t)
+                q = cast_elem(blk / eff, "float4_e2m1fn")
             scales[idx + (b,)] = s
-            eff = f(s * s_t)
-            q = cast_elem(blk / eff, "float4_e2m1fn")
             out[sl] = q * eff
     return out, scales, s_t
 
@@ -434,31 +458,34 @@ def test_mx_block_along_axis0_and_middle_axis() -> None:
         assert_same_bits(lowprec.dequantize(codes, scales, spec, shape=shape), t32(want), f"axis {axis} deq")
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_div"])
 @pytest.mark.parametrize("shape", [(4, 64), (3, 50), (2, 3, 20), (33,), (1, 16), (7, 5)])
-def test_nvfp4_matches_numpy_reference(shape) -> None:
-    """NVFP4: tensor scale amax/(6*448), e4m3 block scales (nearest) of (block_amax/6)/s_t, fp4 elements.
+def test_nvfp4_matches_numpy_reference(shape, name: str) -> None:
+    """NVFP4 by either two-level rule: TransformerEngine's ("nvfp4") and lowprec's earlier division ("nvfp4_div").
 
     Oracle: ref_nvfp4, float32 numpy arithmetic with ml_dtypes e4m3/fp4 casts, looping over blocks of 16.
-    Data spans 2^-12 .. 2^12, so some block scales underflow e4m3 and are clamped to its smallest value 2^-9.
+    Data spans 2^-12 .. 2^12, so some block scales underflow e4m3: TE's rule rounds them to e4m3 subnormals or 0,
+    the division rule clamps them to e4m3's smallest value 2^-9.
     """
     x = varied(shape, seed=sum(shape))
-    want, want_scales, want_st = ref_nvfp4(x.numpy())
-    assert_same_bits(lowprec.fake_quantize(x, "nvfp4"), t32(want), f"nvfp4 {shape} fake")
-    codes, scales = lowprec.quantize_scaled(x, "nvfp4")
+    want, want_scales, want_st = ref_nvfp4(x.numpy(), "te" if name == "nvfp4" else "divide")
+    assert_same_bits(lowprec.fake_quantize(x, name), t32(want), f"{name} {shape} fake")
+    codes, scales = lowprec.quantize_scaled(x, name)
     assert isinstance(scales, lowprec.quant.TwoLevelScales)
     assert scales.group.dtype == torch.float8_e4m3fn and scales.tensor.dtype == torch.float32
     assert scales.tensor.shape == ()
     assert scales.tensor.item() == float(want_st)
-    assert_same_bits(scales.group.float(), t32(want_scales), f"nvfp4 {shape} block scales")
-    assert_same_bits(lowprec.dequantize(codes, scales, "nvfp4", shape=shape), t32(want), f"nvfp4 {shape} deq")
+    assert_same_bits(scales.group.float(), t32(want_scales), f"{name} {shape} block scales")
+    assert_same_bits(lowprec.dequantize(codes, scales, name, shape=shape), t32(want), f"{name} {shape} deq")
 
 
 def test_nvfp4_hand_example() -> None:
-    """NVFP4 on a hand-worked 2x16 tensor.
+    """NVFP4 on a hand-worked 2x16 tensor (TE's rule; the division rule gives the same values here).
 
-    Oracle, by hand: amax = 2688 = 6 * 448, so s_t = 1 exactly.  Block 0 (amax 2688): raw = 2688/6 = 448 -> e4m3
-    448, x / 448: 2688 -> 6, 1000 -> 2.23 -> 2 -> 896, -300 -> -0.67 -> -0.5 -> -224.  Block 1 (amax 3): raw 0.5
-    -> scale 0.5: 3 -> 6 -> 3, 1.3 -> 2.6 -> 3 -> 1.5, 0.1 -> 0.2 -> 0 -> 0.
+    Oracle, by hand: amax = 2688 = 6 * 448, so S_enc = S_dec = s_t = 1 exactly and fl(1/6) = 1/6 + 2^-26 / 3.
+    Block 0 (amax 2688): 2688 * fl(1/6) = 448 + 2^-14.2 rounds to 448 in float32 -> e4m3 448; x * fl(1/448):
+    2688 -> 6, 1000 -> 2.23 -> 2 -> 896, -300 -> -0.67 -> -0.5 -> -224.  Block 1 (amax 3): 3 * fl(1/6) -> 0.5 ->
+    scale 0.5, multiplier 2: 3 -> 6 -> 3, 1.3 -> 2.6 -> 3 -> 1.5, 0.1 -> 0.2 -> 0 -> 0.
     """
     x = torch.zeros(2, 16)
     x[0, :3] = torch.tensor([2688.0, 1000.0, -300.0])
@@ -584,7 +611,7 @@ def test_storage_dtypes_and_shapes(name: str) -> None:
         assert codes.shape == (3, 33)
     if name.startswith("mx"):
         assert scales.dtype == torch.float8_e8m0fnu and scales.shape == (3, 2)
-    elif name == "nvfp4":
+    elif name.startswith("nvfp4"):
         assert scales.group.shape == (3, 3) and scales.tensor.shape == ()
     else:
         assert scales.dtype == torch.float32
@@ -620,6 +647,7 @@ def test_packed_codes_match_ml_dtypes_bit_patterns(name: str) -> None:
     if name == "nvfp4":
         vals, scales, s_t = ref_nvfp4(x.numpy())
         eff = (np.repeat(scales, 16, axis=-1)[:, :37] * s_t).astype(np.float32)
+        assert (eff > 0).all()  # no zero block scale here: the element values are vals / eff
         elems = (vals / eff).astype(np.float32)
     else:
         vals, sbytes = ref_mx(x.numpy(), _MX_ELEM[name])
@@ -653,11 +681,12 @@ def test_all_zero_block(name: str) -> None:
 
 def test_all_zero_tensor_tensorwise_and_nvfp4() -> None:
     """amax = 0: the tensorwise float32 multiplier is the largest float32, stored as its reciprocal; NVFP4 uses
-    s_t = 1 and block scales 2^-9 (smallest e4m3); outputs are zeros with the input's signs.
+    s_t = 1 and block scales 0 (TE's rule: S_enc = 1, 0 * S_enc rounds to e4m3 0) or 2^-9 (the division rule's
+    smallest e4m3); outputs are zeros with the input's signs.
 
-    Oracle: the _spec docstring (float32 scales: multiplier max_elem / amax clamped to float32 max; other scale
-    formats clamp to [smallest, max]) and _scale's "1 for an all-zero tensor" tensor scale; -0 * s = -0 in IEEE
-    arithmetic.
+    Oracle: the _spec docstring (float32 scales: multiplier max_elem / amax clamped to float32 max; TE's two-level
+    rule has no lower bound; other scale formats clamp to [smallest, max]) and _scale's "1 for an all-zero tensor"
+    tensor scale; -0 * s = -0 in IEEE arithmetic.
     """
     x = torch.tensor([[0.0, -0.0, 0.0, -0.0] * 8])
     for name in ("fp8_e4m3_tensorwise", "fp8_e5m2_tensorwise", "fp8_e4m3_rowwise"):
@@ -665,11 +694,12 @@ def test_all_zero_tensor_tensorwise_and_nvfp4() -> None:
         assert torch.all(scales == torch.tensor(1.0 / _F32_MAX, dtype=torch.float32)), name
         assert_same_bits(lowprec.fake_quantize(x, name), x, name)
         assert_same_bits(lowprec.dequantize(codes, scales, name), x, name + " deq")
-    codes, scales = lowprec.quantize_scaled(x, "nvfp4")
-    assert scales.tensor.item() == 1.0
-    assert torch.all(scales.group.float() == 2.0**-9)
-    assert_same_bits(lowprec.fake_quantize(x, "nvfp4"), x, "nvfp4 zeros")
-    assert_same_bits(lowprec.dequantize(codes, scales, "nvfp4", shape=x.shape), x, "nvfp4 zeros deq")
+    for name, smallest in (("nvfp4", 0.0), ("nvfp4_div", 2.0**-9)):
+        codes, scales = lowprec.quantize_scaled(x, name)
+        assert scales.tensor.item() == 1.0
+        assert torch.all(scales.group.float() == smallest)
+        assert_same_bits(lowprec.fake_quantize(x, name), x, f"{name} zeros")
+        assert_same_bits(lowprec.dequantize(codes, scales, name, shape=x.shape), x, f"{name} zeros deq")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -924,10 +954,10 @@ def test_names_are_the_documented_specs() -> None:
             elem, "block", 32, "float8_e8m0fnu", "floor", -1
         ), name
         assert s.saturate is True and s.tensor_scale is False
-    s = QuantSpec.named("nvfp4")
-    assert (s.format.name, s.block_size, s.scale_spec.name, s.scale_rounding, s.tensor_scale) == (
-        "float4_e2m1fn", 16, "float8_e4m3fn", "nearest", True
-    )
+    for name, rule in (("nvfp4", "te"), ("nvfp4_div", "divide")):
+        s = QuantSpec.named(name)
+        assert (s.format.name, s.block_size, s.scale_spec.name, s.scale_rounding, s.tensor_scale,
+                s.two_level_rule) == ("float4_e2m1fn", 16, "float8_e4m3fn", "nearest", True, rule)
     assert QuantSpec.named("fp8_e4m3_1x128").tile == (1, 128)
     assert QuantSpec.named("fp8_e4m3_128x128").tile == (128, 128)
     assert QuantSpec.named("fp8_e4m3_rowwise").scaling == "axis"
@@ -938,11 +968,13 @@ def test_names_are_the_documented_specs() -> None:
 def test_to_dict_from_dict_round_trip(name: str) -> None:
     """from_dict(to_dict(spec)) == spec for every named spec, also through JSON.
 
-    Oracle: dataclass equality with the original spec; to_dict must be plain data (json.dumps must succeed).
+    Oracle: dataclass equality with the original spec; to_dict must be plain data (json.dumps must succeed) and
+    holds every field, two_level_rule only for two-level specs (the to_dict docstring).
     """
     spec = QuantSpec.named(name)
     d = spec.to_dict()
-    assert set(d) == {f.name for f in dataclasses.fields(QuantSpec)}
+    fields = {f.name for f in dataclasses.fields(QuantSpec)}
+    assert set(d) == (fields if spec.tensor_scale else fields - {"two_level_rule"})
     assert QuantSpec.from_dict(d) == spec
     assert QuantSpec.from_dict(json.loads(json.dumps(d))) == spec
 

@@ -131,6 +131,7 @@ def _spec_words(spec: Any) -> str:
     block, tile = d.pop("block_size", None), d.pop("tile", None)
     sf, sr = d.pop("scale_format", "float32"), d.pop("scale_rounding", "nearest")
     margin, ts = d.pop("margin", 0), d.pop("tensor_scale", False)
+    rule = d.pop("two_level_rule", "te")
     rounding, sat = d.pop("rounding", "nearest"), d.pop("saturate", True)
     along = "" if axis == -1 else f" along axis {axis}"
     if scaling == "none":
@@ -152,7 +153,7 @@ def _spec_words(spec: Any) -> str:
         if margin:
             words.append(f"scale margin {margin}")
         if ts:
-            words.append("plus a per-tensor float32 scale")
+            words.append("plus a per-tensor float32 scale" + ("" if rule == "te" else f" ({_show(rule, 20)} rule)"))
     if rounding != "nearest":
         words.append(f"{rounding} rounding")
     if sat is False:

@@ -1,7 +1,8 @@
 """Scaled quantization for JAX arrays: ``fake_quantize``, ``quantize_scaled``, ``dequantize``.
 
 Same arguments, shapes and bits as ``lowprec.quant._scaled`` (see its docstring and ``QuantSpec``): per group
-``codes = Q(x / s)`` (float32 scales: ``Q(x * m)`` with stored scale ``fl(1/m)``), ``x_hat = codes * s``.  The
+``codes = Q(x / s)`` (float32 scales: ``Q(x * m)`` with stored scale ``fl(1/m)``; NVFP4's ``two_level_rule="te"``:
+``Q(clamp(x * m))`` with ``m = fl(1 / fl(s * S_dec))``), ``x_hat = codes * s`` (NVFP4: ``codes * fl(s * s_t)``).  The
 per-group arithmetic runs on bit patterns (``_scale``); the elementwise product/quotient by the scale uses the
 float hardware and switches to the integer route only when a subnormal is involved (``_bits.mul_fast``).
 
@@ -28,7 +29,7 @@ from . import _codec, _groups, _random
 from ._bits import ABS, bits, const_bits, div_fast, div_mag, f32, mul_fast, mul_mag
 from ._quantize import check_array, stochastic_args
 from ._round import quantize_f32
-from ._scale import group_scale, tensor_scale_from_amax
+from ._scale import F32_MAX, group_scale, tensor_scale_from_amax
 
 Scales: TypeAlias = jax.Array | TwoLevelScales
 
@@ -71,6 +72,12 @@ def _core(xf: jnp.ndarray, keys, off, spec: QuantSpec, amax: jnp.ndarray | None 
         v, eff = xf, f32(s)
     elif uses_multiplier(spec):
         v, eff = mul_fast(_groups.group(xf, spec), f32(s)), f32(div_mag(jnp.int32(const_bits(1.0)), s))
+    elif s_t is not None and spec.two_level_rule == "te":  # s_t = [s_t, m6, S_dec] (_scale.te_tensor_scales)
+        m = jnp.minimum(div_mag(jnp.int32(const_bits(1.0)), mul_mag(s, s_t[2])), F32_MAX)  # 1/0 -> float32 max
+        v = mul_fast(_groups.group(xf, spec), f32(m))
+        if spec.saturate:  # TE's clamp to +-max before the cast (x * float32 max may be inf): _scaled._te_clamp
+            v = jnp.clip(v, -spec.format.max, spec.format.max)
+        eff = f32(mul_mag(s, s_t[0]))
     else:
         eff = f32(s if s_t is None else mul_mag(s, s_t))
         v = div_fast(_groups.group(xf, spec), eff)
@@ -91,7 +98,7 @@ def _scaled_kernel(x: jax.Array, keys, off, *, spec: QuantSpec):
     scale = f32(div_mag(jnp.int32(const_bits(1.0)), s)) if uses_multiplier(spec) else f32(s)
     scales = _groups.scales_out(scale, spec).astype(_codec.jax_dtype(spec.scale_spec))
     if s_t is not None:
-        return codes, TwoLevelScales(scales, f32(s_t).reshape(()))
+        return codes, TwoLevelScales(scales, f32(s_t[0] if spec.two_level_rule == "te" else s_t).reshape(()))
     return codes, scales
 
 

@@ -130,6 +130,12 @@ def _rounds_past_max(v: torch.Tensor, fmt: FormatSpec, rounding: str) -> torch.T
     return _past(a, pos) if pos == neg else torch.where(v < 0, _past(a, neg), _past(a, pos))
 
 
+def _zero_scale_groups_underflow(v: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
+    """``v`` with 0 in groups whose effective scale is 0 (NVFP4's "te" rule: a block far below the tensor's amax):
+    their values dequantize to 0, an underflow, whatever ``x * m`` (up to x times float32 max) was rounded to."""
+    return torch.where(eff == 0, 0.0, v)
+
+
 def _quantized_parts(xf: torch.Tensor, spec: QuantSpec, finite: torch.Tensor,
                      nonzero: torch.Tensor) -> list[torch.Tensor]:
     """Device scalars: underflow and overflow counts, signal and noise norms, then ``_scale_sums``."""
@@ -139,7 +145,7 @@ def _quantized_parts(xf: torch.Tensor, spec: QuantSpec, finite: torch.Tensor,
     s, s_t = _scales(xf, spec)
     q = _fake(xf, s, s_t, keys, off, spec)  # fake_quantize(xf, spec, seed=0): the same two passes
     v, eff = _prescaled(xf, s, s_t, spec)  # the grouped values the quantizer rounds
-    v = _groups.ungroup(v, spec, xf.shape)
+    v = _groups.ungroup(_zero_scale_groups_underflow(v, eff), spec, xf.shape)
     under = nonzero & (q == 0)
     over = finite & nonzero & (_rounds_past_max(v, spec.format, spec.rounding) | ~torch.isfinite(q))
     xd = xf.double()
@@ -176,6 +182,7 @@ def _native_parts(xf: torch.Tensor, spec: QuantSpec | None) -> list[float]:
             vals = _native.stats(xf, q, bounds, div=sv)
     else:
         v, eff = _prescaled(xf, s, s_t, spec)
+        v = _zero_scale_groups_underflow(v, eff)
         vals = _native.stats(xf, q, bounds, v=_groups.ungroup(v, spec, xf.shape).contiguous())
     sq = [vals[6] ** 0.5, vals[7] ** 0.5]
     if spec.scaling == "none":

@@ -43,9 +43,11 @@ typedef struct {
     float elem_max;      /* the element format's largest value */
     int32_t elem_emax, elem_max_mant; /* rule 2: its exponent and 23 mantissa bits */
     int32_t s_emin, s_emax;           /* rule 2: the scale format's exponent range */
-    float s_min, s_max;  /* rule 3: clamp to the scale format's positive range */
-    int32_t two_level;   /* rule 3: a float32 tensor scale first (NVFP4) */
+    float s_min, s_max;  /* rule 3: clamp to the scale format's positive range (TE's rule: no lower bound) */
+    int32_t two_level;   /* rule 3: a float32 tensor scale first (NVFP4): 1 lowprec's division rule, 2 TE's */
     float denom;         /* rule 3: elem_max * scale format max */
+    float inv_elem_max;  /* rule 3, TE: fl(1 / elem_max) */
+    int32_t clamp_v;     /* rule 3, TE: clamp x * m to +-elem max before rounding (the spec saturates) */
     lp_elem sfmt;        /* rule 3: rounding of the scale into its format (kind 0: float32, no rounding) */
 } lp_scale;
 
@@ -145,8 +147,24 @@ static inline void log2_parts(float v, int32_t *ex, int32_t *mant)
     *mant = (int32_t)(b & 0x7fffffu);
 }
 
+/* The tensor scales of a two-level spec from the tensor's finite amax at (_scale.tensor_scale_from_amax): s_t (the
+ * stored decode scale), and for TE's rule m6 = fl(S_enc * fl(1/elem_max)) and S_dec = fl(1 / S_enc) */
+static void tensor_scales(float at, const lp_scale *s, float *s_t, float *m6, float *s_dec)
+{
+    float t = at / s->denom;
+    if (s->two_level == 1) {
+        *s_t = at > 0.0f ? (t < 0x1p-126f ? 0x1p-126f : t) : 1.0f;
+        return;
+    }
+    float enc = at > 0.0f ? s->denom / at : 1.0f;  /* TE's compute_global_encode_scaling_factor_FP4 */
+    enc = enc > 0x1.fffffep127f ? 0x1.fffffep127f : enc;
+    *m6 = enc * s->inv_elem_max;
+    *s_dec = 1.0f / enc;
+    *s_t = at > 0.0f ? (t == 0.0f ? 0x1p-149f : t) : 1.0f;
+}
+
 /* One group's (divisor or multiplier, dequantization factor) from its finite amax (_scale.group_scale) */
-static inline void group_scale(float amax, const lp_scale *s, float s_t, float *q, float *deq)
+static inline void group_scale(float amax, const lp_scale *s, float s_t, float m6, float s_dec, float *q, float *deq)
 {
     if (s->rule == 1) {
         float m = s->elem_max / amax;  /* amax 0 -> inf -> float32 max */
@@ -173,6 +191,15 @@ static inline void group_scale(float amax, const lp_scale *s, float s_t, float *
         k = k < s->s_emin ? s->s_emin : (k > s->s_emax ? s->s_emax : k);
         *q = pow2f(-k);  /* x / 2^k is x * 2^-k (exact for |k| <= 127): both are the exact value rounded once */
         *deq = pow2f(k);
+        return;
+    } else if (s->two_level == 2) {  /* TE: no lower bound; codes = Q(clamp(x * m)), m = fl(1 / fl(sc * S_dec)) */
+        float raw = amax * m6;
+        if (s->has_margin) raw = raw * s->margin_mul;
+        raw = q_elem(raw, &s->sfmt, 0u);
+        sc = raw > s->s_max ? s->s_max : raw;
+        float m = 1.0f / (sc * s_dec);
+        *q = m > 0x1.fffffep127f ? 0x1.fffffep127f : m;
+        *deq = sc * s_t;
         return;
     } else {
         float raw = amax / s->elem_max;
@@ -232,7 +259,8 @@ static inline __attribute__((always_inline)) float round_float_route(float v, co
 }
 
 /* The rounded, dequantized elements of one row segment: one scale for all (qs: multiplier or divisor, deq) when
- * PER_COL is 0, else one per element (the arrays qsv, deqv).  RULE: 0 no scale, 1 multiply, 2 divide. */
+ * PER_COL is 0, else one per element (the arrays qsv, deqv).  RULE: 0 no scale, 1 multiply, 2 divide, 3 multiply
+ * and clamp to +-fmax (TE's NVFP4 rule: x times a zero scale's multiplier, float32 max, may be inf). */
 static inline __attribute__((always_inline)) void segment(const float *x, float *y, int64_t n, const lp_elem *e,
                                                           float qs, float deq, const float *qsv, const float *deqv,
                                                           uint32_t cnt0, uint32_t cstep, uint32_t k1, uint32_t k2,
@@ -242,7 +270,8 @@ static inline __attribute__((always_inline)) void segment(const float *x, float 
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
         float m = PER_COL ? qsv[i] : qs, dq = PER_COL ? deqv[i] : deq;
-        float v = RULE == 0 ? x[i] : (RULE == 1 ? x[i] * m : x[i] / m);
+        float v = RULE == 0 ? x[i] : (RULE == 2 ? x[i] / m : x[i] * m);
+        if (RULE == 3) v = v < -e->fmax ? -e->fmax : (v > e->fmax ? e->fmax : v);
         uint32_t rb = ROUND == 2 ? h32(h32(cnt0 + (uint32_t)i * cstep + k1) ^ k2) : 0u;
         float q = ROUND == 4 ? round_float_route(v, e) : q_elem_k(v, e, rb, KIND, ROUND);
         y[i] = RULE == 0 ? q : q * dq;
@@ -267,14 +296,16 @@ LP_SEG_R(1, 0)
 LP_SEG_R(2, 0)
 LP_SEG_R(1, 1)
 LP_SEG_R(2, 1)
+LP_SEG_R(3, 0)
+LP_SEG_R(3, 1)
 LP_SEG(1, 4, 1, 0)
 LP_SEG(1, 4, 1, 1)
 LP_SEG(2, 4, 1, 0)
 LP_SEG(2, 4, 1, 1)
 #define LP_ROW(RULE, PC) {{seg_##RULE##01##PC, seg_##RULE##02##PC}, {seg_##RULE##11##PC, seg_##RULE##12##PC}, \
                           {seg_##RULE##21##PC, seg_##RULE##22##PC}}
-static const seg_fn SEGS[3][3][2] = {LP_ROW(0, 0), LP_ROW(1, 0), LP_ROW(2, 0)};
-static const seg_fn COLS[3][3][2] = {LP_ROW(0, 0), LP_ROW(1, 1), LP_ROW(2, 1)};
+static const seg_fn SEGS[4][3][2] = {LP_ROW(0, 0), LP_ROW(1, 0), LP_ROW(2, 0), LP_ROW(3, 0)};
+static const seg_fn COLS[4][3][2] = {LP_ROW(0, 0), LP_ROW(1, 1), LP_ROW(2, 1), LP_ROW(3, 1)};
 #undef LP_ROW
 #undef LP_SEG_R
 #undef LP_SEG_K
@@ -290,34 +321,35 @@ int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int
     float *qs = work, *deq = work + ng, *rowq = work + 3 * ng, *rowd = rowq + C;
     int64_t spread = -1;  /* the first group index of the row block whose scales rowq / rowd hold */
     uint32_t *amax = (uint32_t *)(void *)(work + 2 * ng);
-    float s_t = 1.0f;
+    float s_t = 1.0f, m6 = 0.0f, s_dec = 0.0f;
+    int te = s->rule == 3 && s->two_level == 2;
     if (s->rule != 0) {
         group_amax(x, B, R, C, gr, gc, amax);
         uint32_t top = 0;
         for (int64_t g = 0; g < ng; g++) top = amax[g] > top ? amax[g] : top;
         if (top >= 0x7f800000u) return 0;
-        if (s->two_level) {  /* _scale.tensor_scale_from_amax on the max of the group amaxes */
-            float at = u2f(top);
-            float t = at / s->denom;
-            s_t = at > 0.0f ? (t < 0x1p-126f ? 0x1p-126f : t) : 1.0f;
-        }
-        for (int64_t g = 0; g < ng; g++) group_scale(u2f(amax[g]), s, s_t, qs + g, deq + g);
+        if (s->two_level)  /* _scale.tensor_scale_from_amax on the max of the group amaxes */
+            tensor_scales(u2f(top), s, &s_t, &m6, &s_dec);
+        for (int64_t g = 0; g < ng; g++) group_scale(u2f(amax[g]), s, s_t, m6, s_dec, qs + g, deq + g);
     }
     /* the float route needs every scaled value finite: max |v| of a group is its amax scaled (rounding is
      * monotonic); a degenerate scale (an infinite multiplier from a subnormal amax and a negative margin) keeps the
-     * exact route, whose special-value rules then apply */
+     * exact route, whose special-value rules then apply.  TE's rule with saturation clamps x * m to +-max before
+     * rounding (rule 3), as the float route does first: there every product may be taken, inf included. */
     int route = e->float_route && s->rule != 0;
-    for (int64_t g = 0; route && g < ng; g++) {
-        float a = u2f(amax[g]), vmax = s->rule == 3 ? a / qs[g] : a * qs[g];
+    int clamped = te && s->clamp_v;
+    /* power-of-two scales multiply by 2^-k; TE's rule multiplies by fl(1 / fl(sc * S_dec)) */
+    int rule = s->rule == 0 ? 0 : (s->rule == 3 && !te ? 2 : (clamped ? 3 : 1));
+    for (int64_t g = 0; route && !clamped && g < ng; g++) {
+        float a = u2f(amax[g]), vmax = rule == 2 ? a / qs[g] : a * qs[g];
         route = vmax <= 0x1.fffffep127f;
     }
-    int rule = s->rule == 0 ? 0 : (s->rule == 3 ? 2 : 1);  /* power-of-two scales multiply by 2^-k */
     int rnd = e->rounding == 2 ? 2 : (e->rounding == 1 ? 1 : 0);
     int kind = e->kind == 2 ? 1 : 0;
     seg_fn seg = SEGS[rule][rnd][kind], col = COLS[rule][rnd][kind];
     if (route) {
-        seg = rule == 1 ? seg_1410 : seg_2410;
-        col = rule == 1 ? seg_1411 : seg_2411;
+        seg = rule == 2 ? seg_2410 : seg_1410;  /* rule 3: the float route clamps first */
+        col = rule == 2 ? seg_2411 : seg_1411;
     }
     for (int64_t b = 0; b < B; b++) {
         for (int64_t r = 0; r < R; r++) {

@@ -5,10 +5,10 @@ element rounding, dequantization); eagerly every one of them is a pass over memo
 does the same float32 and integer operations per element, in the same order, in three loops (amax per group,
 the scales once per group, then one pass that scales, rounds, and dequantizes), for every scaling (tensor, axis,
 block, tile, none), every scale rule (float32 multiplier, E8M0 power of two with the floor / ceil / nearest rules,
-a scale rounded into a float format, NVFP4's two levels), and round-to-nearest, toward-zero or stochastic
-rounding with the counter-based random words of ``_random`` computed in the same pass.  The results are the
-tensor route's bits (tests/test_native_group.py compares both routes on whole binades, edge values, every named
-spec, and transposed and odd-shaped tensors).
+a scale rounded into a float format, NVFP4's two levels by either ``two_level_rule``), and round-to-nearest,
+toward-zero or stochastic rounding with the counter-based random words of ``_random`` computed in the same pass.
+The results are the tensor route's bits (tests/test_native_group.py compares both routes on whole binades, edge
+values, every named spec, and transposed and odd-shaped tensors).
 
 Layout: a contiguous tensor, or a 2-D transposed view of one (the GEMM operands ``w.t()``, ``x.t()``), is read in
 place as ``[B, R, C]`` with groups of ``gr x gc`` elements (``_view``); the result has the input's layout.  Other
@@ -28,7 +28,7 @@ import torch
 
 from ..formats import FormatSpec
 from . import _native
-from ._scale_rules import _SCALE_ROUNDING_TO_ELEM, _mantissa_bits, uses_multiplier
+from ._scale_rules import _SCALE_ROUNDING_TO_ELEM, _mantissa_bits, te_constants, uses_multiplier
 from ._spec import QuantSpec
 
 _ROUNDING = {"nearest": 0, "toward_zero": 1, "stochastic": 2, "away": 3}
@@ -47,7 +47,8 @@ class _Scale(ctypes.Structure):
                 ("has_margin", ctypes.c_int32), ("margin_mul", ctypes.c_float), ("elem_max", ctypes.c_float),
                 ("elem_emax", ctypes.c_int32), ("elem_max_mant", ctypes.c_int32), ("s_emin", ctypes.c_int32),
                 ("s_emax", ctypes.c_int32), ("s_min", ctypes.c_float), ("s_max", ctypes.c_float),
-                ("two_level", ctypes.c_int32), ("denom", ctypes.c_float), ("sfmt", _Elem)]
+                ("two_level", ctypes.c_int32), ("denom", ctypes.c_float), ("inv_elem_max", ctypes.c_float),
+                ("clamp_v", ctypes.c_int32), ("sfmt", _Elem)]
 
 
 def _f32_exact(v: float) -> bool:
@@ -102,8 +103,11 @@ def _scale(spec: QuantSpec) -> _Scale | None:
     denom = fmt.max * sfmt.max if spec.tensor_scale else 1.0
     if se is None or not (_f32_exact(sfmt.min_subnormal) and _f32_exact(sfmt.max) and _f32_exact(denom)):
         return None
+    two_level = 0 if not spec.tensor_scale else (2 if spec.two_level_rule == "te" else 1)
+    inv = te_constants(spec)[1] if two_level == 2 else 0.0
     return _Scale(rule=3, elem_max=fmt.max, has_margin=int(spec.margin != 0), margin_mul=2.0 ** spec.margin,
-                  s_min=sfmt.min_subnormal, s_max=sfmt.max, two_level=int(spec.tensor_scale), denom=denom, sfmt=se)
+                  s_min=sfmt.min_subnormal, s_max=sfmt.max, two_level=two_level, denom=denom, inv_elem_max=inv,
+                  clamp_v=int(two_level == 2 and spec.saturate), sfmt=se)
 
 
 class _Plan(NamedTuple):

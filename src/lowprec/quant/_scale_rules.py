@@ -35,6 +35,17 @@ def uses_multiplier(spec: QuantSpec) -> bool:
     return sfmt.mbits == 23 and sfmt.emin <= -126
 
 
+def te_constants(spec: QuantSpec) -> tuple[float, float]:
+    """TransformerEngine's two float32 constants of a two-level spec: ``D = max_elem * max_scale`` (6 * 448 for
+    NVFP4) and ``fl(1 / max_elem)`` (TE's ``fp4_max_inv``), as Python floats holding float32 values."""
+    import struct
+
+    def f32(v: float) -> float:
+        return float(struct.unpack("<f", struct.pack("<f", v))[0])
+
+    return f32(spec.format.max * spec.scale_spec.max), f32(1.0 / spec.format.max)
+
+
 class TwoLevelScales(NamedTuple, Generic[_Array]):
     """Scales of a two-level spec (NVFP4): per-group scales in the scale format and a float32 tensor scale.
 

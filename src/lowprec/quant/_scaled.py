@@ -12,6 +12,9 @@ Float32 scales follow TransformerEngine and torchao instead: ``m = max_elem / am
 and ``x_hat = codes * fl(1/m)``; the stored scale is ``fl(1/m)``, exactly what ``torch._scaled_mm`` is given, so a
 GEMM of fake-quantized operands reproduces torchao's Float8Linear bit for bit.
 
+Two-level specs with ``two_level_rule="te"`` (NVFP4 as TransformerEngine computes it, ``QuantSpec``) also multiply:
+``codes = Q(clamp(x * m))`` with ``m = fl(1 / fl(s * S_dec))``, and ``x_hat = codes * fl(s * s_t)``.
+
 The work is two passes: ``_scales``, a reduction (per-group amax, then the scale), and ``_elements``, elementwise
 (``x / s`` rounded onto the grid).  ``fake_quantize`` runs them as two kernels.  Compiled as one graph, inductor's
 C++ backend inlines the per-group scale arithmetic into the elementwise loop and redoes it for every vector of
@@ -40,7 +43,7 @@ from ._elementwise import (
     stochastic_args,
 )
 from ._round import quantize_f32
-from ._scale import _F32_MAX, group_scale, tensor_scale_from_amax, uses_multiplier
+from ._scale import _F32_MAX, group_scale, stored_tensor_scale, tensor_scale_from_amax, uses_multiplier
 from ._scale_rules import TwoLevelScales as TwoLevelScales
 from ._spec import QuantSpec
 from ._spec_args import _resolve as _resolve
@@ -81,6 +84,7 @@ def _elements(
     if keys is not None and off is not None:
         rbits = _groups.group(_random.random_bits(keys, off, xf.numel(), xf.device).view(xf.shape), spec)
     v, eff = _prescaled(xf, s, s_t, spec)
+    v = _te_clamp(v, spec)
     return quantize_f32(v, spec.format, rounding=spec.rounding, saturate=spec.saturate, rbits=rbits), eff
 
 
@@ -93,8 +97,20 @@ def _prescaled(
     g = _groups.group(xf, spec)
     if uses_multiplier(spec):  # float32 scales: s is the multiplier m; dequantize with its reciprocal
         return g * s, 1.0 / s
+    if s_t is not None and spec.two_level_rule == "te":  # s_t = [s_t, m6, S_dec] (_scale.te_tensor_scales)
+        m = torch.clamp(torch.ones_like(s) / (s * s_t[2]), max=_F32_MAX)  # a zero scale: 1/0 -> float32 max
+        return g * m, s * s_t[0]  # x * float32 max may be inf: _te_clamp before rounding
     eff = s if s_t is None else s * s_t
     return g / eff, eff
+
+
+def _te_clamp(v: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """TE's clamp of the scaled values to +-max before the cast, for a saturating ``two_level_rule="te"`` spec (the
+    same rounding as saturation for finite values; it turns the inf of x * float32 max, a zero group scale's
+    multiplier, into +-max).  ``v`` unchanged for other specs."""
+    if spec.tensor_scale and spec.two_level_rule == "te" and spec.saturate:
+        return torch.clamp(v, -spec.format.max, spec.format.max)
+    return v
 
 
 def _core(
@@ -129,6 +145,7 @@ def _fake_fast(x: torch.Tensor, s: torch.Tensor, s_t: torch.Tensor | None, spec:
     where that route does not apply."""
     xf = x.to(torch.float32)
     v, eff = _prescaled(xf, s, s_t, spec)
+    v = _te_clamp(v, spec)
     # v = x * m or x / scale with positive scales: a fresh tensor with the signs of the grouped x
     sign = None if spec.scaling == "none" else _groups.group(xf, spec)
     q = round_nearest_fast(v, spec.format, saturate=spec.saturate, sign=sign)
@@ -325,7 +342,7 @@ def quantize_scaled(
         raise UsageError(f"no torch dtype stores scale format {spec.scale_spec.name}; use fake_quantize")
     scales = _groups.scales_out(1.0 / s if uses_multiplier(spec) else s, spec).to(scale_dtype)
     if s_t is not None:
-        return codes, TwoLevelScales(scales, s_t.reshape(()))
+        return codes, TwoLevelScales(scales, stored_tensor_scale(s_t, spec))
     return codes, scales
 
 

@@ -22,13 +22,27 @@ For each group, ``amax = max |x|`` and the scale is ``amax / max_elem`` (times `
   ``"nearest"`` (ties to even), ``"floor"`` (down) or ``"ceil"`` (up, never clips); ``codes = Q(x / scale)``.
 
 Scales are clamped to the scale format's positive range ``[smallest, max]``; an all-zero group thus gets the
-smallest scale and zero codes.  A group containing NaN or inf gets a NaN scale, and the whole group dequantizes
-to NaN (OCP MX: an E8M0 scale of 0xFF makes every element of its block NaN).
+smallest scale and zero codes (NVFP4's "te" rule below has no lower bound: scale 0).  A group containing NaN or
+inf gets a NaN scale, and the whole group dequantizes to NaN (OCP MX: an E8M0 scale of 0xFF makes every element of
+its block NaN).
 
-With ``tensor_scale=True`` (NVFP4) a float32 per-tensor scale ``s_t = amax_tensor / (max_elem * max_scale)``
-comes first and group scales are ``(amax / max_elem) / s_t`` rounded into the scale format; the effective scale is
-``s_group * s_t`` (one float32 product, used for both quantization and dequantization).  A NaN or inf anywhere in
-the tensor makes the tensor scale, and so the whole tensor, NaN.
+With ``tensor_scale=True`` (NVFP4) a float32 per-tensor scale comes first; ``two_level_rule`` says how the two
+levels are computed (docs/quantization.md, "NVFP4: what the kernels compute", has the sources):
+
+* ``"te"`` (the default): what NVIDIA TransformerEngine's NVFP4 kernels compute.  With ``D = max_elem * max_scale``
+  (6 * 448): the encode scale ``S_enc = fl(D / amax_tensor)`` (at most float32 max; 1 for an all-zero tensor) and
+  ``S_dec = fl(1 / S_enc)``; a group's scale is ``amax * fl(S_enc * fl(1 / max_elem))`` rounded into the scale
+  format, saturating, with no lower bound (a group far below the tensor's amax gets a subnormal or zero scale);
+  elements are ``Q(clamp(x * m))`` with the multiplier ``m = fl(1 / fl(s_group * S_dec))`` (at most float32 max;
+  a zero scale gives float32 max).  The stored tensor scale is the decode scale ``s_t = fl(amax_tensor / D)``
+  that TE's GEMM and dequantization apply (torchao's and ModelOpt's per-tensor scale), and
+  ``x_hat = codes * fl(s_group * s_t)``.
+* ``"divide"`` (lowprec before issue 20; named spec ``"nvfp4_div"``): ``s_t = amax_tensor / D`` (at least 2^-126),
+  group scales ``(amax / max_elem) / s_t`` rounded and clamped to ``[smallest, max]`` like any other group scale,
+  and ``codes = Q(x / (s_group * s_t))``: one correctly rounded division per element.
+
+With either rule the effective dequantization scale is one float32 product ``s_group * s_t``, and a NaN or inf
+anywhere in the tensor makes the tensor scale, and so the whole tensor, NaN.
 """
 
 from __future__ import annotations
@@ -46,6 +60,8 @@ Scaling = Literal["none", "tensor", "axis", "block", "tile"]
 """Scale granularity of a ``QuantSpec`` (module docstring)."""
 ScaleRounding = Literal["floor", "ceil", "nearest"]
 """Rounding of a scale into its scale format."""
+TwoLevelRule = Literal["te", "divide"]
+"""How a two-level spec (NVFP4) computes its scales and elements (module docstring)."""
 SCALINGS: tuple[str, ...] = literal_values(Scaling)
 SCALE_ROUNDINGS: tuple[str, ...] = literal_values(ScaleRounding)
 
@@ -83,6 +99,9 @@ class QuantSpec:
     """Clamp scaled elements to +-max of the element format (the OCP MX rule)."""
     tensor_scale: bool = False
     """Two-level scaling: an extra float32 per-tensor scale (NVFP4)."""
+    two_level_rule: TwoLevelRule = "te"
+    """tensor_scale=True only: "te" (TransformerEngine's NVFP4 arithmetic: reciprocal scaling, no lower bound on
+    group scales) or "divide" (lowprec's earlier rule: division, group scales clamped to the smallest subnormal)."""
 
     def __post_init__(self) -> None:
         elem = _field_format(self.elem, "elem")
@@ -107,6 +126,10 @@ class QuantSpec:
         check_rounding(self.rounding, "QuantSpec.rounding")
         check_bool(self.saturate, "QuantSpec.saturate")
         check_bool(self.tensor_scale, "QuantSpec.tensor_scale")
+        check_literal(self.two_level_rule, "QuantSpec.two_level_rule", TwoLevelRule)
+        if not self.tensor_scale and self.two_level_rule != "te":
+            raise UsageError(f"QuantSpec.two_level_rule={self.two_level_rule!r} applies to two-level specs only; set "
+                             "tensor_scale=True (NVFP4) or leave two_level_rule at its default 'te'")
         if self.tensor_scale and self.scaling in ("none", "tensor"):
             raise UsageError("QuantSpec.tensor_scale needs scaling 'axis', 'block' or 'tile'")
         is_f32 = sfmt.mbits == 23 and sfmt.emin <= -126
@@ -146,9 +169,13 @@ class QuantSpec:
         return spec_names()
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON/TOML-ready); custom formats are written as their defining fields."""
+        """Plain data (JSON/TOML-ready); custom formats are written as their defining fields.  ``two_level_rule`` is
+        written for two-level specs only (elsewhere it has no effect), so that adding it left the dicts, and the recipe
+        hashes, of every other spec as they were; a two-level dict without it reads as the default "te"."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
+            if f.name == "two_level_rule" and not self.tensor_scale:
+                continue
             v = getattr(self, f.name)
             if isinstance(v, FormatSpec):
                 registered = v.name in formats.names() and formats.get(v.name) == v
