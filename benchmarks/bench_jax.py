@@ -16,6 +16,13 @@ Rounds are interleaved (every function once per round, best round kept), so all 
 Each quantizer reports ``ratio_to_copy`` and ``ratio_to_native_cast`` (the cast of its own element format).  The
 native casts are not bit-equal to lowprec's quantizers (no scaling, and XLA's cast to float8 does not saturate);
 they are the cost of the cheapest conversion JAX offers.  ``--quick`` runs 1M floats with 3 rounds.
+
+Targets (``TARGETS``: the least ``ratio_to_copy`` a quantizer should reach, issue 20): each such quantizer's entry
+says ``target_ratio_to_copy`` and ``target_met`` per size, and ``targets`` at the top collects them with
+``all_met``.  e4m3 tensorwise is two passes (the amax read, then one fused read + write: ``lowprec.jax._fast_tensor``)
+against the copy's one, so about 0.5x is the natural target; ``machine.lowprec_jax_native_amax`` says whether its
+amax can run in the native CPU kernel (``lowprec.jax._native``) or runs in XLA reductions (no C compiler, or
+``LOWPREC_NATIVE=0``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import ml_dtypes
 import numpy as np
 
 import lowprec.jax as lj
+from lowprec.jax import _native
 from lowprec.runs._manifest import host_info
 
 # name -> (function of the 2-D float32 input, native dtype its element format casts to)
@@ -43,6 +51,8 @@ QUANTIZERS: dict[str, tuple[Callable[[jax.Array], jax.Array], Any]] = {
     "bf16_elementwise": (lambda x: lj.quantize(x, "bfloat16"), jnp.bfloat16),
 }
 NATIVE = {"float8_e4m3fn": jnp.float8_e4m3fn, "bfloat16": jnp.bfloat16, "float4_e2m1fn": jnp.float4_e2m1fn}
+# name -> the least ratio_to_copy it should reach (issue 20 section 4: e4m3 tensorwise at least half a copy)
+TARGETS: dict[str, float] = {"fp8_e4m3_tensorwise": 0.5}
 
 
 def best_times(fns: list[Callable[[], Any]], repeat: int) -> list[float]:
@@ -68,6 +78,7 @@ def machine_info() -> dict[str, Any]:
         "devices": [str(d) for d in jax.devices()],
         "numpy": np.__version__,
         "ml_dtypes": ml_dtypes.__version__,
+        "lowprec_jax_native_amax": _native.available(),
         **host_info(),
     }
 
@@ -109,7 +120,20 @@ def measure_size(numel: int, cols: int, repeat: int, only: list[str] | None) -> 
             "native_reference": native,
             "ratio_to_native_cast": sig(gbps[name] / gbps[native], 3),
         }
+        if name in TARGETS:
+            ratio = out["quantizers"][name]["ratio_to_copy"]
+            out["quantizers"][name] |= {"target_ratio_to_copy": TARGETS[name], "target_met": ratio >= TARGETS[name]}
     return out
+
+
+def targets(results: dict[str, Any]) -> dict[str, Any]:
+    """Every measured quantizer with a target, per size: its ratio to a copy, the target and whether it is met."""
+    rows = [
+        {"quantizer": name, "size": int(size), "ratio_to_copy": q["ratio_to_copy"],
+         "target_ratio_to_copy": q["target_ratio_to_copy"], "met": q["target_met"]}
+        for size, r in results.items() for name, q in r["quantizers"].items() if "target_met" in q
+    ]
+    return {"checks": rows, "all_met": all(row["met"] for row in rows)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -142,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             "input; ratios divide by references timed in the same rounds",
         },
         "results": results,
+        "targets": targets(results),
     }
     json.dump(report, sys.stdout, indent=2)
     sys.stdout.write("\n")
