@@ -233,7 +233,6 @@ def test_gradient_is_the_integer_routes(native: bool) -> None:
     _assert_bits(np.asarray(ref), np.asarray(g), "gradient")
 
 
-@pytest.mark.xfail(strict=True, reason="lowprec.jax._scaled does not dispatch to _fast_tensor yet (owned elsewhere)")
 def test_public_fake_quantize_takes_the_route() -> None:
     """``lj.fake_quantize`` and ``fake_quantize_traced`` use the float route for tensorwise specs."""
     from lowprec.jax._scaled import fake_quantize_traced

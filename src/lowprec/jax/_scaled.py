@@ -25,7 +25,7 @@ from ..quant._scale_rules import TwoLevelScales as TwoLevelScales
 from ..quant._scale_rules import uses_multiplier
 from ..quant._spec import QuantSpec
 from ..quant._spec_args import _resolve  # the same validation and message as the PyTorch side
-from . import _codec, _groups, _random
+from . import _codec, _fast_tensor, _groups, _random
 from ._bits import ABS, bits, const_bits, div_fast, div_mag, f32, mul_fast, mul_mag
 from ._quantize import check_array, stochastic_args
 from ._round import quantize_f32
@@ -87,6 +87,8 @@ def _core(xf: jnp.ndarray, keys, off, spec: QuantSpec, amax: jnp.ndarray | None 
 
 @partial(jax.jit, static_argnames=("spec",))
 def _fake_kernel(x: jax.Array, keys, off, *, spec: QuantSpec) -> jax.Array:
+    if _fast_tensor.applies(spec):  # tensorwise, nearest, saturating: the float route (same bits)
+        return _fast_tensor.fake_quantize_tensor(x.astype(jnp.float32), spec).astype(x.dtype)
     q, eff, _, _ = _core(x.astype(jnp.float32), keys, off, spec)
     return _groups.ungroup(mul_fast(q, eff), spec, x.shape).astype(x.dtype)
 
@@ -115,6 +117,8 @@ def fake_quantize_traced(
         raise UsageError("a stochastic-rounding spec needs random keys")
     if amax is not None and spec.scaling != "tensor":
         raise UsageError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
+    if amax is None and _fast_tensor.applies(spec):  # tensorwise, nearest, saturating: the float route
+        return _fast_tensor.fake_quantize_tensor(x, spec)
     off = None if keys is None else jnp.uint32(0)
     q, eff, _, _ = _core(x, keys, off, spec, amax)
     return _groups.ungroup(mul_fast(q, eff), spec, x.shape)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _backend, _native
+from . import _backend, _native, _native_group
 from ._elementwise import fast_round_ok
 from ._scale import uses_multiplier
 from ._spec import QuantSpec
@@ -94,3 +94,54 @@ def call(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None, *, after: 
     so that the partitioner cannot move it into the forward graph and save its output after all."""
     key = _key(spec, after is not None)
     return torch.ops.lowprec.fake_quantize_tensorwise(x, amax, key, after)  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------------ every other spec
+_LIB.define("fake_quantize_grouped(Tensor x, Tensor? keys, Tensor? offset, int key, Tensor? after=None) -> Tensor")
+
+
+def applies_grouped(x: torch.Tensor, spec: QuantSpec) -> bool:
+    """Whether a compiled region should quantize ``x`` with ``spec`` through the grouped custom operator: the
+    specs the native grouped kernel takes (``_native_group.plan``: block, tile, axis and tensor scaling with any
+    scale rule, every rounding) for CPU tensors below ``_backend.AUTO_MIN_NUMEL`` elements."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and 0 < x.numel() < _backend.AUTO_MIN_NUMEL
+        and _enabled()
+        and _plan_ok(spec)
+    )
+
+
+@torch._dynamo.assume_constant_result
+def _plan_ok(spec: QuantSpec) -> bool:
+    return _native_group.plan(spec) is not None
+
+
+def _grouped(x: torch.Tensor, keys: torch.Tensor | None, offset: torch.Tensor | None, key: int,
+             after: torch.Tensor | None = None) -> torch.Tensor:
+    from ._scaled import fake_quantize_tensors
+
+    spec = _SPECS[key]
+    y = _native_group.fake(x, spec, keys, offset)
+    if y is None:  # a group with NaN or inf: the eager kernels' rules
+        with _backend.backend("eager"):
+            y = fake_quantize_tensors(x, spec, keys=keys, offset=offset)
+    return y.clone() if y.data_ptr() == x.data_ptr() else y
+
+
+_LIB.impl("fake_quantize_grouped", _grouped, "CPU")
+
+
+@torch.library.register_fake("lowprec::fake_quantize_grouped")
+def _(x: torch.Tensor, keys: torch.Tensor | None, offset: torch.Tensor | None, key: int,
+      after: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def call_grouped(x: torch.Tensor, spec: QuantSpec, keys: torch.Tensor | None, offset: torch.Tensor | None, *,
+                 after: torch.Tensor | None = None) -> torch.Tensor:
+    """``fake_quantize_tensors(x, spec, keys=keys, offset=offset)`` through the grouped custom operator (``after``:
+    as for ``call``)."""
+    key = _key(spec, after is not None)
+    return torch.ops.lowprec.fake_quantize_grouped(x, keys, offset, key, after)  # type: ignore[no-any-return]

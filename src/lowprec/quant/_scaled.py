@@ -389,8 +389,11 @@ def fake_quantize_tensors(
         raise UsageError("fake_quantize_tensors: stochastic rounding needs keys and offset tensors")
     if amax is not None and spec.scaling != "tensor":
         raise UsageError(f"an explicit amax needs scaling='tensor'; got scaling={spec.scaling!r}")
-    if torch.compiler.is_compiling() and _native_op.applies(x, spec):  # the fused C loop as an opaque op
-        return _native_op.call(x, spec, amax)
+    if torch.compiler.is_compiling():  # the fused C loops as opaque operators
+        if _native_op.applies(x, spec):
+            return _native_op.call(x, spec, amax)
+        if amax is None and _native_op.applies_grouped(x, spec):
+            return _native_op.call_grouped(x, spec, keys, offset)
     y = _eager_fast(x, spec, keys, offset, amax)
     if y is not None:
         return y
