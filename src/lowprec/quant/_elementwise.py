@@ -95,6 +95,7 @@ def round_nearest_fast(
     saturate: bool,
     vmax: float | None = None,
     sign: torch.Tensor | None = None,
+    native_only: bool = False,
 ) -> torch.Tensor | None:
     """``quantize_f32(v, fmt, rounding="nearest", saturate=saturate)`` by the float32 route of the module
     docstring, or ``None`` where that route does not apply (non-finite values, overflow that does not saturate,
@@ -104,8 +105,11 @@ def round_nearest_fast(
     layout is returned.  With ``sign`` (a tensor with the signs of ``v``, e.g. the unscaled ``x`` of ``v = x * m``)
     ``v`` is the caller's scratch tensor: it is rounded in place and returned.  ``vmax``: ``max |v|`` when the
     caller knows it (it must then know that ``v`` is finite); otherwise it is read back to Python (eager only).
+    ``native_only``: None also where the fused C loop (``_native``) does not apply.
     """
     if not fast_round_ok(fmt, "nearest") or v.numel() == 0 or v.dtype != torch.float32:
+        return None
+    if native_only and not _native.usable(v):
         return None
     if vmax is None and _native.usable(v):
         vmax = _native.absmax(v)
@@ -129,6 +133,8 @@ def round_nearest_fast(
         k, cmin = route_constants(fmt)
         return _native.round_nearest(v, k=k, cmin=cmin, clamp=clamp, signed_zero=fmt.has_negative_zero,
                                      out=v if sign is not None else None)
+    if native_only:
+        return None
     if clamp is not None:
         # clamping before rounding = rounding then saturating (fmax is on the grid)
         v = v.clamp_(-fmax, fmax) if sign is not None else torch.clamp(v, -fmax, fmax)
@@ -214,11 +220,13 @@ def quantize(
     mode = check_rounding(rounding)
     saturate = check_bool(saturate, "saturate")
     keys, off = stochastic_args(mode, seed, offset, x.numel(), x.device)
-    if keys is None and _backend.runs_eager(x.numel()) and fast_round_ok(spec, mode):
-        r = round_nearest_fast(x.to(torch.float32), spec, saturate=saturate)
+    native = _backend.runs_native(x.numel())  # large tensors under "auto": the native kernels, else compiled
+    if keys is None and native and fast_round_ok(spec, mode):
+        native_only = not _backend.runs_eager(x.numel())
+        r = round_nearest_fast(x.to(torch.float32), spec, saturate=saturate, native_only=native_only)
         if r is not None:
             return r.to(x.dtype)
-    unscaled = _native_group.elementwise_spec(spec, mode, saturate) if _backend.runs_eager(x.numel()) else None
+    unscaled = _native_group.elementwise_spec(spec, mode, saturate) if native else None
     if unscaled is not None:  # any other format or rounding (stochastic: the random words in the same pass)
         r = _native_group.fake(x, unscaled, keys, off)
         if r is not None:

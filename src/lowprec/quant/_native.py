@@ -13,8 +13,11 @@ Set-up: the shared library is built once per source version and machine type int
 (default ``~/.cache/lowprec/native``; written atomically, so concurrent first uses are safe) and loaded with
 ctypes; no torch headers are involved, so the build takes well under a second.  Where no C compiler is found, the
 build fails, or ``LOWPREC_NATIVE=0`` is set, ``available()`` is False and the tensor-operation route runs instead:
-the bits are the same either way, only the speed differs.  Single-threaded by design: it runs only where the
-backend stays eager, i.e. for tensors below ``_backend.AUTO_MIN_NUMEL`` elements.
+the bits are the same either way, only the speed differs.  Each kernel is a single-threaded loop; calls on large
+tensors are split into ranges that run on several threads at once (``_parallel``; from 2^22 elements for the
+single passes here, 2^20 for the grouped kernel), which ctypes allows by releasing the GIL during every call.
+Under the default backend ("auto") the native kernels are used at every size where they apply, outside compiled
+regions (``_backend.runs_native``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from . import _parallel
+
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("_native.c", "_native_group.c", "_native_accum.c"))
 """The kernels: elementwise rounding, amax and statistics here; scaled fake quantization of any spec in
 ``_native_group.c`` (its Python side: ``_native_group``); GEMMs through an emulated accumulator in
@@ -39,6 +44,8 @@ _SOURCES = tuple(Path(__file__).with_name(n) for n in ("_native.c", "_native_gro
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off", "-fno-fast-math",
           "-fno-strict-aliasing", "-fopenmp-simd")
 _state: dict[str, object] = {}
+_ALIGN = 1024
+"""Where a split call's ranges may start (elements: 4 KiB, a memory page, so that no two threads write one page)."""
 
 
 def _cache_dir() -> Path:
@@ -91,7 +98,8 @@ def _build() -> ctypes.CDLL | None:
     lib.lp_stats.argtypes = [ptr, ptr, ptr, i64, f32, i32, f32, i32, i32, f32, ptr]
     lib.lp_stats.restype = None
     u32 = ctypes.c_uint32
-    lib.lp_group_fake.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, u32, u32, u32, i64, i64, i64, ptr]
+    lib.lp_group_fake.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, u32, u32, u32, i64, i64, i64,
+                                  i32, f32, ptr]
     lib.lp_group_fake.restype = i32
     lib.lp_kahan_update.argtypes = [ptr, ptr, ptr, i64, ptr]
     lib.lp_kahan_update.restype = None
@@ -148,17 +156,22 @@ def usable(t: torch.Tensor) -> bool:
 
 
 def absmax(x: torch.Tensor) -> float | None:
-    """``max |x|`` of a ``usable`` tensor, or None when some element is NaN or inf."""
+    """``max |x|`` of a ``usable`` tensor, or None when some element is NaN or inf (large tensors: split across
+    threads, ``_parallel``)."""
     lib = _lib()
     assert lib is not None
-    out = ctypes.c_float()
-    finite = lib.lp_absmax(x.data_ptr(), x.numel(), ctypes.byref(out))
-    return float(out.value) if finite else None
+    n, p = x.numel(), x.data_ptr()
+    spans = _parallel.ranges(n, _parallel.parts(n, _parallel.PASS_MIN_PER_THREAD), _ALIGN)
+    outs = [ctypes.c_float() for _ in spans]
+    finite = _parallel.run(lib.lp_absmax, [(p + 4 * a, b - a, ctypes.byref(o))
+                                           for (a, b), o in zip(spans, outs, strict=True)])
+    return max(float(o.value) for o in outs) if all(finite) else None
 
 
 def round_nearest(x: torch.Tensor, *, k: float, cmin: float, mul: float | None = None, post: float | None = None,
                   clamp: float | None = None, signed_zero: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``RNE(clamp(x * mul)) * post`` elementwise in one pass (``lp_round_nearest`` in ``_native.c``).
+    """``RNE(clamp(x * mul)) * post`` elementwise in one pass (``lp_round_nearest`` in ``_native.c``; large
+    tensors: split across threads, ``_parallel``).
 
     ``x``: a ``usable`` tensor of finite values; ``out``: a contiguous float32 tensor of ``x``'s shape (may be
     ``x`` itself), else a new one.  ``k``, ``cmin``: the route's constants for the format.
@@ -166,9 +179,11 @@ def round_nearest(x: torch.Tensor, *, k: float, cmin: float, mul: float | None =
     lib = _lib()
     assert lib is not None
     y = torch.empty_like(x) if out is None else out
-    lib.lp_round_nearest(x.data_ptr(), y.data_ptr(), x.numel(), 1.0 if mul is None else mul, mul is not None,
-                         1.0 if post is None else post, post is not None, k, cmin, clamp is not None,
-                         0.0 if clamp is None else clamp, signed_zero)
+    n, px, py = x.numel(), x.data_ptr(), y.data_ptr()
+    consts = (1.0 if mul is None else mul, mul is not None, 1.0 if post is None else post, post is not None, k, cmin,
+              clamp is not None, 0.0 if clamp is None else clamp, signed_zero)
+    spans = _parallel.ranges(n, _parallel.parts(n, _parallel.PASS_MIN_PER_THREAD), _ALIGN)
+    _parallel.run(lib.lp_round_nearest, [(px + 4 * a, py + 4 * a, b - a, *consts) for a, b in spans])
     return y
 
 

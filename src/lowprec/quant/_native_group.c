@@ -8,10 +8,11 @@
  * float operation is the IEEE float32 operation the tensor route performs, in the same order; the build uses
  * -ffp-contract=off (no fused multiply-add), so the results are the same bits.
  *
- * Layout: x is a contiguous float32 array viewed as [B, R, C]; a group is gr consecutive rows by gc consecutive
- * columns of one b (edge groups are smaller).  The random counter of element (b, r, c) is
- * off + b * sb + r * sr + c * sc (mod 2^32): its row-major index in the tensor the caller quantizes (which may be a
- * transposed view of x).
+ * Layout: x is a float32 array viewed as [B, R, C] with row stride ld (C for a whole contiguous tensor; a range of
+ * columns of one passes the full width); a group is gr consecutive rows by gc consecutive columns of one b (edge
+ * groups are smaller).  The random counter of element (b, r, c) is off + b * sb + r * sr + c * sc (mod 2^32): its
+ * row-major index in the tensor the caller quantizes (which may be a transposed view of x); a caller that splits
+ * the tensor into ranges passes each range's own first counter as off.
  */
 #include <stdint.h>
 #include <string.h>
@@ -63,7 +64,8 @@ static inline uint32_t h32(uint32_t x)
 static inline float pow2f(int32_t k)
 {
     int32_t sh = k + 149; sh = sh < 0 ? 0 : (sh > 22 ? 22 : sh);
-    return k >= -126 ? u2f((uint32_t)(k + 127) << 23) : u2f(1u << sh);
+    uint32_t normal = (uint32_t)(k + 127) << 23, sub = 1u << sh;  /* both, then a select: the loops vectorize */
+    return u2f(k >= -126 ? normal : sub);
 }
 
 /* _round.round_magnitude + quantize_f32's rules for one float32 value v (rb: its random word).  KIND and ROUND
@@ -121,29 +123,14 @@ static inline __attribute__((always_inline)) float q_elem_k(float v, const lp_el
     return u2f(finite ? outb : sp);
 }
 
-/* q_elem_k with the kind and rounding read from e (scales: once per group) */
-static float q_elem(float v, const lp_elem *e, uint32_t rb)
-{
-    switch (e->kind * 4 + e->rounding) {
-    case 0: case 1: case 2: case 3: return v;
-    case 4: return q_elem_k(v, e, rb, 1, 0);
-    case 5: return q_elem_k(v, e, rb, 1, 1);
-    case 6: return q_elem_k(v, e, rb, 1, 2);
-    case 7: return q_elem_k(v, e, rb, 1, 3);
-    case 8: return q_elem_k(v, e, rb, 2, 0);
-    case 9: return q_elem_k(v, e, rb, 2, 1);
-    case 10: return q_elem_k(v, e, rb, 2, 2);
-    default: return q_elem_k(v, e, rb, 2, 3);
-    }
-}
-
 /* _scale._log2_parts: floor(log2 v) and the 23 mantissa bits of finite v >= 0 (subnormals normalised) */
 static inline void log2_parts(float v, int32_t *ex, int32_t *mant)
 {
-    int sub = v < 0x1p-126f;
-    float vn = sub ? v * 0x1p64f : v;
-    uint32_t b = f2u(vn);
-    *ex = (int32_t)(b >> 23) - 127 - sub * 64;
+    /* both candidates, then integer selects: the loops that call it have no branches and vectorize */
+    uint32_t b0 = f2u(v), b1 = f2u(v * 0x1p64f);  /* (exact) */
+    int32_t sub = b0 < 0x00800000u;
+    uint32_t b = sub ? b1 : b0;
+    *ex = (int32_t)(b >> 23) - (sub ? 127 + 64 : 127);
     *mant = (int32_t)(b & 0x7fffffu);
 }
 
@@ -163,84 +150,128 @@ static void tensor_scales(float at, const lp_scale *s, float *s_t, float *m6, fl
     *s_t = at > 0.0f ? (t == 0.0f ? 0x1p-149f : t) : 1.0f;
 }
 
-/* One group's (divisor or multiplier, dequantization factor) from its finite amax (_scale.group_scale) */
-static inline void group_scale(float amax, const lp_scale *s, float s_t, float m6, float s_dec, float *q, float *deq)
+/* One group's (divisor or multiplier, dequantization factor) from its finite amax (_scale.group_scale).  RULE: 1
+ * float32 multiplier, 2 power of two, 3 float scale (divided by the tensor scale s_t of a two-level spec, else
+ * s_t = 1), 4 float scale by TE's two-level rule; SK, SR: the scale format's kind and rounding (rules 3 and 4).  mm:
+ * the margin's multiplier, or 1.  A multiplication or division by 1 is exact, so these stand for the tensor route's
+ * "if" without one; with RULE, SK, SR compile-time constants (block_scales' loops) the loops have no branches and
+ * vectorize. */
+static inline __attribute__((always_inline)) void group_scale(float amax, const lp_scale *s, float s_t, float m6,
+                                                              float s_dec, float mm, float *q, float *deq,
+                                                              const int RULE, const int SK, const int SR)
 {
-    if (s->rule == 1) {
+    if (RULE == 1) {
         float m = s->elem_max / amax;  /* amax 0 -> inf -> float32 max */
         m = m > 0x1.fffffep127f ? 0x1.fffffep127f : m;
-        if (s->has_margin) m = m * s->margin_mul;
+        m = m * mm;
         *q = m;
         *deq = 1.0f / m;
-        return;
-    }
-    float sc;
-    if (s->rule == 2) {
-        int32_t ex, mant, k;
+    } else if (RULE == 2) {  /* SK: pow2_mode, floor, ceil or nearest (0, 1, 2) */
+        int32_t ex, mant, rex, rmant;
         log2_parts(amax, &ex, &mant);
-        if (s->pow2_mode == 0) {
-            k = ex - s->elem_emax;
-        } else if (s->pow2_mode == 1) {
-            k = ex - s->elem_emax + (mant > s->elem_max_mant);
-        } else {
-            int32_t rex, rmant;
-            log2_parts(amax / s->elem_max, &rex, &rmant);
-            k = rex + (rmant >= 0x400000);
-        }
-        k += s->margin;
+        log2_parts(amax / s->elem_max, &rex, &rmant);
+        int32_t kf = ex - s->elem_emax, kc = kf + (mant > s->elem_max_mant), kn = rex + (rmant >= 0x400000);
+        int32_t k = (SK == 0 ? kf : (SK == 1 ? kc : kn)) + s->margin;
         k = k < s->s_emin ? s->s_emin : (k > s->s_emax ? s->s_emax : k);
         *q = pow2f(-k);  /* x / 2^k is x * 2^-k (exact for |k| <= 127): both are the exact value rounded once */
         *deq = pow2f(k);
-        return;
-    } else if (s->two_level == 2) {  /* TE: no lower bound; codes = Q(clamp(x * m)), m = fl(1 / fl(sc * S_dec)) */
-        float raw = amax * m6;
-        if (s->has_margin) raw = raw * s->margin_mul;
-        raw = q_elem(raw, &s->sfmt, 0u);
-        sc = raw > s->s_max ? s->s_max : raw;
+    } else if (RULE == 4) {  /* TE: no lower bound; codes = Q(clamp(x * m)), m = fl(1 / fl(sc * S_dec)) */
+        float raw = q_elem_k((amax * m6) * mm, &s->sfmt, 0u, SK, SR);
+        float sc = raw > s->s_max ? s->s_max : raw;
         float m = 1.0f / (sc * s_dec);
         *q = m > 0x1.fffffep127f ? 0x1.fffffep127f : m;
         *deq = sc * s_t;
-        return;
     } else {
-        float raw = amax / s->elem_max;
-        if (s->two_level) raw = raw / s_t;
-        if (s->has_margin) raw = raw * s->margin_mul;
-        raw = q_elem(raw, &s->sfmt, 0u);
-        sc = raw < s->s_min ? s->s_min : (raw > s->s_max ? s->s_max : raw);
+        float raw = q_elem_k(((amax / s->elem_max) / s_t) * mm, &s->sfmt, 0u, SK, SR);
+        float sc = raw < s->s_min ? s->s_min : (raw > s->s_max ? s->s_max : raw);
+        float eff = sc * s_t;
+        *q = eff;
+        *deq = eff;
     }
-    float eff = s->two_level ? sc * s_t : sc;
-    *q = eff;
-    *deq = eff;
 }
 
-/* max |x| over each group into amax_bits (as float bits; NaN/inf have bits >= 0x7f800000) */
-static void group_amax(const float *x, int64_t B, int64_t R, int64_t C, int64_t gr, int64_t gc, uint32_t *amax)
+typedef void (*scales_fn)(const uint32_t *, int64_t, const lp_scale *, float, float, float, float *, float *);
+
+#define LP_SCALES(RULE, SK, SR)                                                                                     \
+    static __attribute__((noinline)) void scales_##RULE##SK##SR(const uint32_t *amax, int64_t n,                    \
+                                                                 const lp_scale *s0, float s_t, float m6,           \
+                                                                 float s_dec, float *qs, float *deq)                \
+    {                                                                                                               \
+        lp_scale s = *s0;                                                                                           \
+        float mm = s.has_margin ? s.margin_mul : 1.0f;                                                              \
+        _Pragma("omp simd")                                                                                         \
+        for (int64_t i = 0; i < n; i++)                                                                             \
+            group_scale(u2f(amax[i]), &s, s_t, m6, s_dec, mm, qs + i, deq + i, RULE, SK, SR);                       \
+    }
+#define LP_SCALES_K(RULE, SK) LP_SCALES(RULE, SK, 0) LP_SCALES(RULE, SK, 1) LP_SCALES(RULE, SK, 3)
+#define LP_SCALES_R(RULE) LP_SCALES_K(RULE, 0) LP_SCALES_K(RULE, 1) LP_SCALES_K(RULE, 2)
+LP_SCALES(1, 0, 0)
+LP_SCALES(2, 0, 0)
+LP_SCALES(2, 1, 0)
+LP_SCALES(2, 2, 0)
+LP_SCALES_R(3)
+LP_SCALES_R(4)
+#undef LP_SCALES_R
+#undef LP_SCALES_K
+#undef LP_SCALES
+
+/* The scale loop for s: its rule, and for float scales the scale format's kind and rounding (0, 1 or 3).  The
+ * loops take s_t = 1 where there is no tensor scale. */
+static scales_fn scales_for(const lp_scale *s)
 {
-    int64_t nr = (R + gr - 1) / gr, nc = (C + gc - 1) / gc;
-    memset(amax, 0, (size_t)(B * nr * nc) * sizeof(uint32_t));
+#define LP_ROW(RULE, SK) {scales_##RULE##SK##0, scales_##RULE##SK##1, 0, scales_##RULE##SK##3}
+    static const scales_fn FLOAT[2][3][4] = {{LP_ROW(3, 0), LP_ROW(3, 1), LP_ROW(3, 2)},
+                                             {LP_ROW(4, 0), LP_ROW(4, 1), LP_ROW(4, 2)}};
+#undef LP_ROW
+    if (s->rule == 1) return scales_100;
+    if (s->rule == 2) return s->pow2_mode == 0 ? scales_200 : (s->pow2_mode == 1 ? scales_210 : scales_220);
+    return FLOAT[s->two_level == 2][s->sfmt.kind][s->sfmt.rounding];
+}
+
+/* max |x| over each of the nc column groups of one row block (rows rows of C elements, row stride ld) into amax,
+ * as float bits (NaN/inf have bits >= 0x7f800000); returns the largest. */
+static uint32_t block_amax(const float *x, int64_t rows, int64_t C, int64_t ld, int64_t gc, uint32_t *amax)
+{
+    int64_t nc = (C + gc - 1) / gc;
+    memset(amax, 0, (size_t)nc * sizeof(uint32_t));
     const uint32_t *xb = (const uint32_t *)(const void *)x;
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t r = 0; r < R; r++) {
-            const uint32_t *row = xb + (b * R + r) * C;
-            uint32_t *g = amax + (b * nr + r / gr) * nc;
-            if (gc == 1) {
-                for (int64_t c = 0; c < C; c++) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *row = xb + r * ld;
+        if (gc == 1) {
+            for (int64_t c = 0; c < C; c++) {
+                uint32_t v = row[c] & 0x7fffffffu;
+                amax[c] = v > amax[c] ? v : amax[c];
+            }
+        } else {
+            for (int64_t cb = 0; cb < nc; cb++) {
+                int64_t c0 = cb * gc, c1 = c0 + gc < C ? c0 + gc : C;
+                uint32_t m = amax[cb];
+                for (int64_t c = c0; c < c1; c++) {
                     uint32_t v = row[c] & 0x7fffffffu;
-                    g[c] = v > g[c] ? v : g[c];
+                    m = v > m ? v : m;
                 }
-            } else {
-                for (int64_t cb = 0; cb < nc; cb++) {
-                    int64_t c0 = cb * gc, c1 = c0 + gc < C ? c0 + gc : C;
-                    uint32_t m = g[cb];
-                    for (int64_t c = c0; c < c1; c++) {
-                        uint32_t v = row[c] & 0x7fffffffu;
-                        m = v > m ? v : m;
-                    }
-                    g[cb] = m;
-                }
+                amax[cb] = m;
             }
         }
     }
+    uint32_t top = 0;
+    for (int64_t cb = 0; cb < nc; cb++) top = amax[cb] > top ? amax[cb] : top;
+    return top;
+}
+
+/* max |x| over a whole [B, R, C] array (row stride ld) as float bits */
+static uint32_t all_amax(const float *x, int64_t B, int64_t R, int64_t C, int64_t ld)
+{
+    const uint32_t *xb = (const uint32_t *)(const void *)x;
+    uint32_t m = 0;
+    for (int64_t r = 0; r < B * R; r++) {
+        const uint32_t *row = xb + r * ld;
+        for (int64_t c = 0; c < C; c++) {
+            uint32_t v = row[c] & 0x7fffffffu;
+            m = v > m ? v : m;
+        }
+    }
+    return m;
 }
 
 /* Round-to-nearest-even of a finite v by the float32 route of _elementwise.round_nearest_fast (the same
@@ -311,71 +342,84 @@ static const seg_fn COLS[4][3][2] = {LP_ROW(0, 0), LP_ROW(1, 1), LP_ROW(2, 1), L
 #undef LP_SEG_K
 #undef LP_SEG
 
-/* Fake-quantize x into y (module comment).  work: 3 * B * ceil(R/gr) * ceil(C/gc) + 2 * C floats.  Returns 0, having
- * written nothing meaningful, when a group holds NaN or inf (the caller runs the tensor route), else 1. */
-int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int64_t gr, int64_t gc,
+/* Fake-quantize x into y (module comment): one row block (gr rows, all C columns, of one b) at a time, its group
+ * amaxes, scales and elements together, so that the element pass reads the block from cache.  ld: the row stride
+ * of x and y in elements (C for a whole tensor; the caller's split into column ranges passes the full width), the
+ * b stride is R * ld.  amax_mode: 0 every amax from x (a two-level spec's tensor amax by one pass first); 1
+ * amax_in is the tensor amax of a two-level spec (the caller's split into row or column ranges, having read the
+ * whole tensor), the group amaxes from x; 2 every group's amax is amax_in (one group spans the caller's whole
+ * tensor: tensor scaling, split).  work: 3 * ceil(C/gc) + 2 * C floats.  Returns 0, having written nothing
+ * meaningful, when a group holds NaN or inf (the caller runs the tensor route), else 1. */
+int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int64_t ld, int64_t gr, int64_t gc,
                   const lp_elem *e, const lp_scale *s, uint32_t k1, uint32_t k2, uint32_t off, int64_t sb,
-                  int64_t sr, int64_t sc, float *work)
+                  int64_t sr, int64_t sc, int32_t amax_mode, float amax_in, float *work)
 {
-    int64_t nr = (R + gr - 1) / gr, nc = (C + gc - 1) / gc, ng = B * nr * nc;
-    float *qs = work, *deq = work + ng, *rowq = work + 3 * ng, *rowd = rowq + C;
-    int64_t spread = -1;  /* the first group index of the row block whose scales rowq / rowd hold */
-    uint32_t *amax = (uint32_t *)(void *)(work + 2 * ng);
+    int64_t nr = (R + gr - 1) / gr, nc = (C + gc - 1) / gc;
+    float *qs = work, *deq = work + nc, *rowq = work + 3 * nc, *rowd = rowq + C;
+    uint32_t *amax = (uint32_t *)(void *)(work + 2 * nc);
     float s_t = 1.0f, m6 = 0.0f, s_dec = 0.0f;
     int te = s->rule == 3 && s->two_level == 2;
-    if (s->rule != 0) {
-        group_amax(x, B, R, C, gr, gc, amax);
-        uint32_t top = 0;
-        for (int64_t g = 0; g < ng; g++) top = amax[g] > top ? amax[g] : top;
+    if (s->rule != 0 && s->two_level) {  /* _scale.tensor_scale_from_amax on the max of the group amaxes */
+        uint32_t top = amax_mode ? f2u(amax_in) : all_amax(x, B, R, C, ld);
         if (top >= 0x7f800000u) return 0;
-        if (s->two_level)  /* _scale.tensor_scale_from_amax on the max of the group amaxes */
-            tensor_scales(u2f(top), s, &s_t, &m6, &s_dec);
-        for (int64_t g = 0; g < ng; g++) group_scale(u2f(amax[g]), s, s_t, m6, s_dec, qs + g, deq + g);
+        tensor_scales(u2f(top), s, &s_t, &m6, &s_dec);
     }
     /* the float route needs every scaled value finite: max |v| of a group is its amax scaled (rounding is
      * monotonic); a degenerate scale (an infinite multiplier from a subnormal amax and a negative margin) keeps the
-     * exact route, whose special-value rules then apply.  TE's rule with saturation clamps x * m to +-max before
-     * rounding (rule 3), as the float route does first: there every product may be taken, inf included. */
-    int route = e->float_route && s->rule != 0;
+     * exact route, whose special-value rules then apply.  Decided per row block (it gives the exact route's bits
+     * wherever it is taken).  TE's rule with saturation clamps x * m to +-max before rounding (rule 3), as the
+     * float route does first: there every product may be taken, inf included. */
     int clamped = te && s->clamp_v;
     /* power-of-two scales multiply by 2^-k; TE's rule multiplies by fl(1 / fl(sc * S_dec)) */
     int rule = s->rule == 0 ? 0 : (s->rule == 3 && !te ? 2 : (clamped ? 3 : 1));
-    for (int64_t g = 0; route && !clamped && g < ng; g++) {
-        float a = u2f(amax[g]), vmax = rule == 2 ? a / qs[g] : a * qs[g];
-        route = vmax <= 0x1.fffffep127f;
-    }
     int rnd = e->rounding == 2 ? 2 : (e->rounding == 1 ? 1 : 0);
     int kind = e->kind == 2 ? 1 : 0;
-    seg_fn seg = SEGS[rule][rnd][kind], col = COLS[rule][rnd][kind];
-    if (route) {
-        seg = rule == 2 ? seg_2410 : seg_1410;  /* rule 3: the float route clamps first */
-        col = rule == 2 ? seg_2411 : seg_1411;
-    }
+    scales_fn scales = s->rule != 0 ? scales_for(s) : 0;
     for (int64_t b = 0; b < B; b++) {
-        for (int64_t r = 0; r < R; r++) {
-            const float *xr = x + (b * R + r) * C;
-            float *yr = y + (b * R + r) * C;
-            uint32_t cnt = off + (uint32_t)((uint64_t)b * (uint64_t)sb + (uint64_t)r * (uint64_t)sr);
-            int64_t g0 = (b * nr + r / gr) * nc;
-            if (rule == 0) {
-                seg(xr, yr, C, e, 1.0f, 1.0f, 0, 0, cnt, (uint32_t)sc, k1, k2);
-            } else if (gc == 1 && nc > 1) {
-                col(xr, yr, C, e, 0.0f, 0.0f, qs + g0, deq + g0, cnt, (uint32_t)sc, k1, k2);
-            } else if (nc > 1) {  /* blocks along the row: their scales spread over the row once per row block, so
-                                   * that one vectorized loop runs over the whole row */
-                if (g0 != spread) {
+        for (int64_t rb = 0; rb < nr; rb++) {
+            int64_t r0 = rb * gr, r1 = r0 + gr < R ? r0 + gr : R;
+            const float *xblk = x + (b * R + r0) * ld;
+            seg_fn seg = SEGS[rule][rnd][kind], col = COLS[rule][rnd][kind];
+            if (rule != 0) {
+                if (amax_mode == 2) {
+                    for (int64_t cb = 0; cb < nc; cb++) amax[cb] = f2u(amax_in);
+                } else if (block_amax(xblk, r1 - r0, C, ld, gc, amax) >= 0x7f800000u) {
+                    return 0;
+                }
+                scales(amax, nc, s, s_t, m6, s_dec, qs, deq);
+                int route = e->float_route;
+                for (int64_t cb = 0; route && !clamped && cb < nc; cb++) {
+                    float a = u2f(amax[cb]), vmax = rule == 2 ? a / qs[cb] : a * qs[cb];
+                    route = vmax <= 0x1.fffffep127f;
+                }
+                if (route) {
+                    seg = rule == 2 ? seg_2410 : seg_1410;  /* rule 3: the float route clamps first */
+                    col = rule == 2 ? seg_2411 : seg_1411;
+                }
+                if (gc > 1 && nc > 1) {  /* blocks along the row: their scales spread over the row once per row
+                                          * block, so that one vectorized loop runs over the whole row */
                     for (int64_t cb = 0; cb < nc; cb++) {
                         int64_t c0 = cb * gc, c1 = c0 + gc < C ? c0 + gc : C;
                         for (int64_t c = c0; c < c1; c++) {
-                            rowq[c] = qs[g0 + cb];
-                            rowd[c] = deq[g0 + cb];
+                            rowq[c] = qs[cb];
+                            rowd[c] = deq[cb];
                         }
                     }
-                    spread = g0;
                 }
-                col(xr, yr, C, e, 0.0f, 0.0f, rowq, rowd, cnt, (uint32_t)sc, k1, k2);
-            } else {
-                seg(xr, yr, C, e, qs[g0], deq[g0], 0, 0, cnt, (uint32_t)sc, k1, k2);
+            }
+            for (int64_t r = r0; r < r1; r++) {
+                const float *xr = x + (b * R + r) * ld;
+                float *yr = y + (b * R + r) * ld;
+                uint32_t cnt = off + (uint32_t)((uint64_t)b * (uint64_t)sb + (uint64_t)r * (uint64_t)sr);
+                if (rule == 0) {
+                    seg(xr, yr, C, e, 1.0f, 1.0f, 0, 0, cnt, (uint32_t)sc, k1, k2);
+                } else if (gc == 1 && nc > 1) {
+                    col(xr, yr, C, e, 0.0f, 0.0f, qs, deq, cnt, (uint32_t)sc, k1, k2);
+                } else if (nc > 1) {
+                    col(xr, yr, C, e, 0.0f, 0.0f, rowq, rowd, cnt, (uint32_t)sc, k1, k2);
+                } else {
+                    seg(xr, yr, C, e, qs[0], deq[0], 0, 0, cnt, (uint32_t)sc, k1, k2);
+                }
             }
         }
     }

@@ -2,8 +2,9 @@
 
 The tensor route of ``_scaled`` is two kernels of a dozen to forty tensor operations each (group amax, scale rule,
 element rounding, dequantization); eagerly every one of them is a pass over memory plus dispatch.  The C kernel
-does the same float32 and integer operations per element, in the same order, in three loops (amax per group,
-the scales once per group, then one pass that scales, rounds, and dequantizes), for every scaling (tensor, axis,
+does the same float32 and integer operations per element, in the same order, in three loops per row block (amax
+per group, the scales once per group, then one pass over the block, still in cache, that scales, rounds, and
+dequantizes), for every scaling (tensor, axis,
 block, tile, none), every scale rule (float32 multiplier, E8M0 power of two with the floor / ceil / nearest rules,
 a scale rounded into a float format, NVFP4's two levels by either ``two_level_rule``), and round-to-nearest,
 toward-zero or stochastic rounding with the counter-based random words of ``_random`` computed in the same pass.
@@ -12,9 +13,13 @@ values, every named spec, and transposed and odd-shaped tensors).
 
 Layout: a contiguous tensor, or a 2-D transposed view of one (the GEMM operands ``w.t()``, ``x.t()``), is read in
 place as ``[B, R, C]`` with groups of ``gr x gc`` elements (``_view``); the result has the input's layout.  Other
-strides are copied to contiguous first.  Where the kernel does not apply (``plan`` is None: unsigned element
-formats, a two-level spec with power-of-two scales; or ``fake`` returns None: a group holds NaN or inf, whose
-NaN payloads the tensor route decides), the caller runs the tensor route.
+strides are copied to contiguous first.  Large tensors are split into ranges of whole groups (batches, row blocks
+or column blocks) that run on several threads at once (``_parallel``), each range with its own first random
+counter; where one group spans the tensor (tensor scaling) or a two-level spec's tensor scale needs all of it, the
+tensor's amax is read first and given to every range, so the bits do not depend on the split.  Where the kernel
+does not apply (``plan`` is None: unsigned element formats, a two-level spec with power-of-two scales; or ``fake``
+returns None: a group holds NaN or inf, whose NaN payloads the tensor route decides), the caller runs the tensor
+route.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from ..formats import FormatSpec
-from . import _native
+from . import _native, _parallel
 from ._scale_rules import _SCALE_ROUNDING_TO_ELEM, _mantissa_bits, te_constants, uses_multiplier
 from ._spec import QuantSpec
 
@@ -193,31 +198,72 @@ def usable(x: torch.Tensor) -> bool:
 
 def fake(x: torch.Tensor, spec: QuantSpec, keys: torch.Tensor | None, offset: torch.Tensor | None) -> (
         torch.Tensor | None):
-    """``fake_quantize_tensors(x, spec, keys=keys, offset=offset)`` in one native call, or None where the kernel
-    does not apply (module docstring).  ``x``: float32, bfloat16 or float16; the result has its dtype."""
+    """``fake_quantize_tensors(x, spec, keys=keys, offset=offset)`` by the native kernel (large tensors: split
+    across threads, ``_split``), or None where the kernel does not apply (module docstring).  ``x``: float32,
+    bfloat16 or float16; the result has its dtype."""
     p = plan(spec)
     lib = _native.lib()
     if p is None or lib is None or not usable(x):
         return None
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
     v = _view(xf, spec)
-    (b, r, c), (gr, gc), (sb, sr, sc) = v.dims, v.group, v.counters
-    gr, gc = max(1, min(gr, r)), max(1, min(gc, c))
     k1 = k2 = off = 0
     if spec.rounding == "stochastic":
         if keys is None or offset is None:
             return None
         k1, k2 = (int(k) & 0xFFFFFFFF for k in keys.tolist())
         off = int(offset) & 0xFFFFFFFF
-    ng = b * -(-r // gr) * -(-c // gc)
-    work = torch.empty(3 * ng + 2 * c, dtype=torch.float32)
     y = torch.empty_like(v.base)
-    ok = lib.lp_group_fake(v.base.data_ptr(), y.data_ptr(), b, r, c, gr, gc, ctypes.byref(p.elem),
-                           ctypes.byref(p.scale), k1, k2, off, sb, sr, sc, work.data_ptr())
-    if not ok:
+    calls = _split(v, y, p, k1, k2, off)
+    if calls is None or not all(_parallel.run(lib.lp_group_fake, [c.args for c in calls])):
         return None
     out = y.t() if v.transposed else y.view(x.shape)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+class _Call(NamedTuple):
+    args: tuple[object, ...]  # lp_group_fake's arguments
+    work: torch.Tensor  # its scratch memory (kept alive with the arguments)
+
+
+def _split(v: _View, y: torch.Tensor, p: _Plan, k1: int, k2: int, off: int) -> list[_Call] | None:
+    """``lp_group_fake`` calls that together quantize ``v`` into ``y``: one, or for large tensors one per range of
+    whole groups (``_parallel``): batches, else row blocks of each batch, else column blocks.  Where one group spans
+    the tensor (tensor scaling) or a two-level spec's tensor scale needs the whole tensor, its amax is read first
+    and given to every call (None: it is NaN or inf, the caller runs the tensor route)."""
+    (b, r, c), (gr, gc), (sb, sr, sc) = v.dims, v.group, v.counters
+    gr, gc = max(1, min(gr, r)), max(1, min(gc, c))
+    k = _parallel.parts(b * r * c)
+    nr, nc = -(-r // gr), -(-c // gc)
+    mode, amax = 0, 0.0
+    if k > 1 and p.scale.rule != 0 and (b * nr * nc == 1 or p.scale.two_level):
+        top = _native.absmax(v.base)
+        if top is None:
+            return None
+        mode, amax = (2, top) if b * nr * nc == 1 else (1, top)
+    free = mode == 2 or p.scale.rule == 0  # one group, or no scales: any split is a split into whole groups
+    if free:
+        gr, gc, nr, nc = 1, 1, r, c
+    px, py = v.base.data_ptr(), y.data_ptr()
+
+    def call(b0: int, b1: int, r0: int, r1: int, c0: int, c1: int) -> _Call:
+        rows, cols = r1 - r0, c1 - c0
+        g_r, g_c = (rows, cols) if free else (min(gr, rows), min(gc, cols))
+        groups = -(-cols // g_c)  # per row block: amax, scale, dequantization factor; the row's spread scales
+        work = torch.empty(3 * groups + (2 * cols if 1 < g_c < cols else 0), dtype=torch.float32)
+        at = 4 * ((b0 * r + r0) * c + c0)
+        cnt = (off + b0 * sb + r0 * sr + c0 * sc) & 0xFFFFFFFF
+        return _Call((px + at, py + at, b1 - b0, rows, cols, c, g_r, g_c, ctypes.byref(p.elem), ctypes.byref(p.scale),
+                      k1, k2, cnt, sb, sr, sc, mode, amax, work.data_ptr()), work)
+
+    if k > 1 and b >= k:
+        return [call(b0, b1, 0, r, 0, c) for b0, b1 in _parallel.ranges(b, k)]
+    if k > 1 and nr >= k:
+        return [call(i, i + 1, r0 * gr, min(r1 * gr, r), 0, c) for i in range(b) for r0, r1 in _parallel.ranges(nr, k)]
+    if k > 1 and nc >= k:
+        align = gc * 16 // math.gcd(gc, 16)  # whole groups and whole 64-byte cache lines of each row
+        return [call(i, i + 1, 0, r, c0, c1) for i in range(b) for c0, c1 in _parallel.ranges(c, k, align)]
+    return [call(0, b, 0, r, 0, c)]
 
 
 _elementwise_specs: dict[tuple[str, str, bool], QuantSpec] = {}

@@ -201,13 +201,11 @@ def _tensorwise_plan(spec: QuantSpec) -> _TensorwisePlan | None:
     return plan
 
 
-def _tensorwise_fast_ok(x: torch.Tensor, spec: QuantSpec) -> bool:
-    return x.numel() > 0 and _backend.runs_eager(x.numel()) and _tensorwise_plan(spec) is not None
-
-
-def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None) -> torch.Tensor | None:
+def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None, *, native_only: bool = False
+                     ) -> torch.Tensor | None:
     """``fake_quantize`` for a float32-scale tensorwise spec with round-to-nearest, eagerly with the scale arithmetic
-    on Python floats (about ten tensor operations in all); None where it does not apply.
+    on Python floats (about ten tensor operations in all); None where it does not apply (with ``native_only``:
+    also where the native kernels do not, ``_backend.runs_native``).
 
     Same bits as ``_scales`` + ``_fake_kernel``: ``amax`` is exact (a max), and for float32 operands a division,
     product or reciprocal computed in double and rounded once to float32 is the correctly rounded float32 result
@@ -219,6 +217,8 @@ def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None
         return None
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
     native = _native.usable(xf)
+    if native_only and not native:
+        return None
     if native:
         xmax = _native.absmax(xf)
         if xmax is None:
@@ -246,6 +246,8 @@ def _tensorwise_fast(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None
         y = _native.round_nearest(xf, k=plan.k, cmin=plan.cmin, mul=m, post=_f32(1.0 / m), clamp=clamp,
                                   signed_zero=plan.signed_zero)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+    if native_only:
+        return None
     v = xf * m
     q = round_nearest_fast(v, spec.format, saturate=spec.saturate, vmax=vmax, sign=xf)
     if q is None:
@@ -257,14 +259,16 @@ def _eager_fast(x: torch.Tensor, spec: QuantSpec, keys: torch.Tensor | None, off
                 amax: torch.Tensor | None) -> torch.Tensor | None:
     """The eager fast routes, same bits as the kernels: tensorwise round-to-nearest with Python-float scale
     arithmetic (``_tensorwise_fast``, which also takes a delayed ``amax``), else any spec in one native call
-    (``_native_group``); None where neither applies."""
-    if _tensorwise_fast_ok(x, spec):
-        y = _tensorwise_fast(x, spec, amax)
+    (``_native_group``); None where neither applies.  Where the backend would compile (large tensors under
+    "auto"), only the native kernels (``_backend.runs_native``)."""
+    n = x.numel()
+    if n == 0 or not _backend.runs_native(n):
+        return None
+    if _tensorwise_plan(spec) is not None:
+        y = _tensorwise_fast(x, spec, amax, native_only=not _backend.runs_eager(n))
         if y is not None:
             return y
-    if amax is None and _backend.runs_eager(x.numel()):
-        return _native_group.fake(x, spec, keys, off)
-    return None
+    return _native_group.fake(x, spec, keys, off) if amax is None else None
 
 
 def _fake(
