@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from .. import _native_build
 
 TARGET = "lowprec_absmax_bits"
 _SOURCE = Path(__file__).with_name("_native_amax.c")
@@ -34,49 +31,14 @@ _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-fno-strict-a
 _state: dict[str, object] = {}
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("LOWPREC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "lowprec")
-    return Path(root) / "native"
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def _machine() -> str:
-    """What ``-march=native`` compiles for (a cache shared between machines never hands one another's build)."""
-    desc = [platform.machine(), platform.system()]
-    try:
-        with open("/proc/cpuinfo") as f:
-            desc += sorted({ln.strip() for ln in f if ln.startswith(("model name", "flags"))})
-    except OSError:
-        pass
-    return " ".join(desc)
-
-
 def _build() -> ctypes.CDLL | None:
-    cc = _compiler()
     include = Path(jax.ffi.include_dir())
     header = include / "xla" / "ffi" / "api" / "c_api.h"
-    if cc is None or not _SOURCE.exists() or not header.exists():
+    if not header.exists():
         return None
-    key_src = _SOURCE.read_bytes() + header.read_bytes() + " ".join((cc, *_FLAGS, _machine())).encode()
-    out = _cache_dir() / f"lowprec_jax_native_{hashlib.sha256(key_src).hexdigest()[:16]}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            cmd = [cc, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp]
-            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-            os.replace(tmp, out)  # atomic: a concurrent build of the same source writes the same bytes
-        except (OSError, subprocess.SubprocessError):
-            Path(tmp).unlink(missing_ok=True)
-            return None
-    return ctypes.CDLL(str(out))
+    out = _native_build.build("lowprec_jax_native", [_SOURCE], _FLAGS, key_extra=header.read_bytes(),
+                              extra_args=[f"-I{include}"])
+    return None if out is None else ctypes.CDLL(str(out))
 
 
 def _registered() -> bool:

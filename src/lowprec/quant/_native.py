@@ -24,17 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from .. import _native_build
 from . import _parallel
 
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("_native.c", "_native_group.c", "_native_accum.c"))
@@ -48,47 +44,10 @@ _ALIGN = 1024
 """Where a split call's ranges may start (elements: 4 KiB, a memory page, so that no two threads write one page)."""
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("LOWPREC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "lowprec")
-    return Path(root) / "native"
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def _machine() -> str:
-    """What ``-march=native`` compiles for: the architecture and, on Linux, the CPU's model and feature flags (so
-    a cache directory shared between different machines never hands one a library built for another)."""
-    desc = [platform.machine(), platform.system()]
-    try:
-        with open("/proc/cpuinfo") as f:
-            desc += sorted({ln.strip() for ln in f if ln.startswith(("model name", "flags"))})
-    except OSError:
-        pass
-    return " ".join(desc)
-
-
 def _build() -> ctypes.CDLL | None:
-    cc = _compiler()
-    if cc is None or not all(p.exists() for p in _SOURCES):
+    out = _native_build.build("lowprec_native", _SOURCES, _FLAGS)
+    if out is None:
         return None
-    src = b"".join(p.read_bytes() for p in _SOURCES)
-    key = hashlib.sha256(src + " ".join((cc, *_FLAGS, _machine())).encode()).hexdigest()
-    out = _cache_dir() / f"lowprec_native_{key[:16]}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
-            os.replace(tmp, out)  # atomic: a concurrent build of the same source writes the same bytes
-        except (OSError, subprocess.SubprocessError):
-            Path(tmp).unlink(missing_ok=True)
-            return None
     lib = ctypes.CDLL(str(out))
     f32, i64, i32, ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.lp_absmax.argtypes = [ptr, i64, ptr]
