@@ -67,3 +67,17 @@ def test_core_imports_no_optional_package() -> None:
                        env=dict(os.environ, PYTHONPATH=str(SRC)))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == []
+
+
+def test_every_c_source_ships_as_package_data() -> None:
+    """The native kernels are compiled from their C sources at first use: every ``.c`` file under src/lowprec must
+    match a ``package-data`` pattern, or an installed (non-editable) lowprec silently falls back to the slow
+    tensor routes (as it did for ``_native_group.c`` and ``_native_accum.c`` before the glob)."""
+    import fnmatch
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["lowprec"]
+    pkg = ROOT / "src" / "lowprec"
+    sources = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*.c"))
+    assert sources, "no C sources found"
+    missing = [s for s in sources if not any(fnmatch.fnmatch(s, pat) for pat in patterns)]
+    assert not missing, f"C sources not in [tool.setuptools.package-data]: {missing}"
