@@ -198,3 +198,18 @@ def test_stochastic_quantize_matches_the_kernel(fmt: str) -> None:
         with _backend.fast_paths(False):
             ref = lowprec.quantize(t, fmt, rounding="stochastic", seed=99, offset=5)
         assert_bitwise_equal(fast, ref, context=f"{fmt} {t.dtype} {t.stride()}")
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_integer_elements_at_exact_ties_and_the_code_range_ends(rounding: str) -> None:
+    """MX INT8 blocks whose power-of-two scale is 1 (amax 1.5): every half-step tie j/64 + 1/128 between the codes,
+    the ends -2 and 127/64 and beyond them, and signed zeros (the kernel's integer float route, round to nearest)."""
+    ties = (torch.arange(-140, 140, dtype=torch.float32) + 0.5) / 64
+    ends = torch.tensor([-2.0, -2.0 - 1 / 128, -2.5, 127 / 64, 127 / 64 + 1 / 128, 2.1, -0.0, 0.0, -1 / 256])
+    vals = torch.cat([ties, ends, ties * -1])
+    blocks = vals[: vals.numel() // 31 * 31].view(-1, 31)
+    x = torch.cat([torch.full((blocks.shape[0], 1), 1.5), blocks], dim=1).contiguous()
+    spec = dataclasses.replace(QuantSpec.named("mxint8"), rounding=rounding)  # type: ignore[arg-type]
+    fast, ref = _both(x, spec)
+    assert fast is not None
+    assert_bitwise_equal(fast, ref, context=f"mxint8 {rounding} ties")

@@ -11,9 +11,10 @@ integer kernel on whole binades of every float format.
 
 Set-up: the shared library is built once per source version and machine type into ``$LOWPREC_CACHE_DIR/native``
 (default ``~/.cache/lowprec/native``; written atomically, so concurrent first uses are safe) and loaded with
-ctypes; no torch headers are involved, so the build takes well under a second.  Where no C compiler is found, the
-build fails, or ``LOWPREC_NATIVE=0`` is set, ``available()`` is False and the tensor-operation route runs instead:
-the bits are the same either way, only the speed differs.  Each kernel is a single-threaded loop; calls on large
+ctypes; no torch headers are involved, so the build takes a few seconds (most of it the grouped kernel's
+specialised loops).  Where no C compiler is found, the build fails, or ``LOWPREC_NATIVE=0`` is set,
+``available()`` is False and the tensor-operation route runs instead: the bits are the same either way, only the
+speed differs.  Each kernel is a single-threaded loop; calls on large
 tensors are split into ranges that run on several threads at once (``_parallel``; from 2^22 elements for the
 single passes here, 2^20 for the grouped kernel), which ctypes allows by releasing the GIL during every call.
 Under the default backend ("auto") the native kernels are used at every size where they apply, outside compiled

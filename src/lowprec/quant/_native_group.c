@@ -30,8 +30,9 @@ typedef struct {
     int32_t special;     /* non-finite v: 0 stays (a format with inf), 1 +-fmax and NaN stays, 2 NaN */
     float fmax, fmin;    /* largest finite value; the integer format's most negative value */
     float over_value;    /* overflow without clamp_over: inf or NaN */
-    int32_t float_route; /* round to nearest by the float route (round_float_route) where the group is finite */
-    float k, cmin;       /* its constants: 1.5 * 2^(23 - M), 1.5 * 2^(23 + emin - M) */
+    int32_t float_route; /* round to nearest by the float route (round_float_route; integers: round_int_route)
+                          * where the group is finite */
+    float k, cmin;       /* its constants: 1.5 * 2^(23 - M), 1.5 * 2^(23 + emin - M) (integers: k = 1.5 * 2^23 * step) */
 } lp_elem;
 
 typedef struct {
@@ -71,11 +72,13 @@ static inline float pow2f(int32_t k)
 /* _round.round_magnitude + quantize_f32's rules for one float32 value v (rb: its random word).  KIND and ROUND
  * are compile-time constants where the element loops call it (so the loops have no branches and vectorize). */
 static inline __attribute__((always_inline)) float q_elem_k(float v, const lp_elem *e, uint32_t rb, const int KIND,
-                                                            const int ROUND)
+                                                            const int ROUND_FIN)
 {
+    /* ROUND_FIN 5: stochastic rounding of values the caller knows to be finite (no special-value rules) */
+    const int FIN = ROUND_FIN == 5, ROUND = FIN ? 2 : ROUND_FIN;
     if (KIND == 0) return v;
     uint32_t bits = f2u(v), a = bits & 0x7fffffffu;
-    int finite = a < 0x7f800000u;
+    int finite = FIN || a < 0x7f800000u;
     int32_t af = finite ? (int32_t)a : 0;
     int32_t ex = af >> 23, eff_e = ex < 1 ? 1 : ex;
     int32_t sig = ex > 0 ? ((af & 0x7fffff) | 0x800000) : af;
@@ -105,6 +108,7 @@ static inline __attribute__((always_inline)) float q_elem_k(float v, const lp_el
         float s = neg ? -mag : mag;
         s = s < e->fmin ? e->fmin : (s > e->fmax ? e->fmax : s);
         float out = s + 0.0f;
+        if (FIN) return out;
         float special = v != v ? v : (v < e->fmin ? e->fmin : (v > e->fmax ? e->fmax : v));
         return finite ? out : special;
     }
@@ -115,8 +119,25 @@ static inline __attribute__((always_inline)) float q_elem_k(float v, const lp_el
     uint32_t ovb = e->clamp_over ? fmb : f2u(e->over_value);
     float zero = e->neg_zero ? -0.0f : 0.0f;
     uint32_t mb = f2u(mag);
+    if (ROUND == 2) {
+        /* The same magnitude on the bits, in fewer operations.  With d <= 23 the d dropped bits lie in the mantissa
+         * field and up = u < rem * 2^(31-d) is r < rem for r = u >> (31 - d), the top d bits of u: adding
+         * mask - r = mask ^ r to the bits carries into bit d exactly when up, and clearing the low d bits leaves
+         * (n + up) * 2^(E - M) (a carry out of the mantissa field steps the exponent: the next float up).  With
+         * d >= 24, n = 0 and the magnitude is 0 or the format's smallest step 2^(emin - M), up when
+         * u < thr = floor(|v| * 2^(31 - emin + M)) (sig << (31 - d), or sig >> (d - 31)): |v| times two powers of
+         * two, exact, below 2^31 (formats whose emin is below float32's have d <= 23 always). */
+        int32_t dl = d < 23 ? d : 23, kexp = 31 - e->emin + e->mbits;
+        uint32_t u = rb >> 1, lm = (1u << dl) - 1u;
+        uint32_t fast = ((uint32_t)af + (lm ^ (u >> (31 - dl)))) & ~lm;
+        float t = (u2f((uint32_t)af) * pow2f(kexp >> 1)) * pow2f(kexp - (kexp >> 1));
+        t = t < 0x1.fffffep30f ? t : 0x1.fffffep30f;
+        uint32_t tiny = (int32_t)u < (int32_t)t ? f2u(pow2f(e->emin - e->mbits)) : 0u;
+        mb = d <= 23 ? fast : tiny;
+    }
     mb = mb > fmb ? ovb : mb;
     uint32_t outb = f2u(u2f(mb | sgn) + zero);
+    if (FIN) return u2f(outb);
     uint32_t sp = a > 0x7f800000u ? bits : (fmb | sgn);  /* "finite" formats: NaN stays, inf -> +-fmax */
     sp = e->special == 0 ? bits : sp;
     sp = e->special == 2 ? 0x7fc00000u : sp;
@@ -228,6 +249,25 @@ static scales_fn scales_for(const lp_scale *s)
     return FLOAT[s->two_level == 2][s->sfmt.kind][s->sfmt.rounding];
 }
 
+/* block_amax's update of nb whole blocks of GC elements of one row (GC a compile-time constant: no loop set-up per
+ * block, one vector per block); returns nb */
+#define LP_AMAX(GC)                                                                                                 \
+    static __attribute__((noinline)) int64_t amax_##GC(const uint32_t *row, int64_t nb, uint32_t *amax)             \
+    {                                                                                                               \
+        for (int64_t cb = 0; cb < nb; cb++) {                                                                       \
+            uint32_t m = amax[cb];                                                                                  \
+            for (int64_t c = 0; c < GC; c++) {                                                                      \
+                uint32_t v = row[cb * GC + c] & 0x7fffffffu;                                                        \
+                m = v > m ? v : m;                                                                                  \
+            }                                                                                                       \
+            amax[cb] = m;                                                                                           \
+        }                                                                                                           \
+        return nb;                                                                                                  \
+    }
+LP_AMAX(16)
+LP_AMAX(32)
+#undef LP_AMAX
+
 /* max |x| over each of the nc column groups of one row block (rows rows of C elements, row stride ld) into amax,
  * as float bits (NaN/inf have bits >= 0x7f800000); returns the largest. */
 static uint32_t block_amax(const float *x, int64_t rows, int64_t C, int64_t ld, int64_t gc, uint32_t *amax)
@@ -243,7 +283,10 @@ static uint32_t block_amax(const float *x, int64_t rows, int64_t C, int64_t ld, 
                 amax[c] = v > amax[c] ? v : amax[c];
             }
         } else {
-            for (int64_t cb = 0; cb < nc; cb++) {
+            int64_t cb = 0;
+            if (gc == 16) cb = amax_16(row, C / 16, amax);
+            else if (gc == 32) cb = amax_32(row, C / 32, amax);
+            for (; cb < nc; cb++) {
                 int64_t c0 = cb * gc, c1 = c0 + gc < C ? c0 + gc : C;
                 uint32_t m = amax[cb];
                 for (int64_t c = c0; c < c1; c++) {
@@ -289,6 +332,17 @@ static inline __attribute__((always_inline)) float round_float_route(float v, co
     return u2f(rb);
 }
 
+/* Round-to-nearest-even of a finite v onto an integer format's codes (ROUND 4 with KIND 2): clamp to the code range
+ * [fmin, fmax] (on the grid: clamping first equals rounding then clamping), then r = (v + k) - k with k = 1.5 * 2^23
+ * * step, the one grid step 2^(emin - M) of every code (the caller checks max |code| < 2^(emin + 1)); v + k lies in
+ * [2^23 step, 2^24 step), where float32's spacing is the step, so the addition rounds to nearest-even (k / step is
+ * even) and the subtraction is exact.  Zero results are +0 (x - x), as integers have one zero. */
+static inline __attribute__((always_inline)) float round_int_route(float v, const lp_elem *e)
+{
+    v = v < e->fmin ? e->fmin : (v > e->fmax ? e->fmax : v);
+    return (v + e->k) - e->k;
+}
+
 /* The rounded, dequantized elements of one row segment: one scale for all (qs: multiplier or divisor, deq) when
  * PER_COL is 0, else one per element (the arrays qsv, deqv).  RULE: 0 no scale, 1 multiply, 2 divide, 3 multiply
  * and clamp to +-fmax (TE's NVFP4 rule: x times a zero scale's multiplier, float32 max, may be inf). */
@@ -303,8 +357,9 @@ static inline __attribute__((always_inline)) void segment(const float *x, float 
         float m = PER_COL ? qsv[i] : qs, dq = PER_COL ? deqv[i] : deq;
         float v = RULE == 0 ? x[i] : (RULE == 2 ? x[i] / m : x[i] * m);
         if (RULE == 3) v = v < -e->fmax ? -e->fmax : (v > e->fmax ? e->fmax : v);
-        uint32_t rb = ROUND == 2 ? h32(h32(cnt0 + (uint32_t)i * cstep + k1) ^ k2) : 0u;
-        float q = ROUND == 4 ? round_float_route(v, e) : q_elem_k(v, e, rb, KIND, ROUND);
+        uint32_t rb = ROUND == 2 || ROUND == 5 ? h32(h32(cnt0 + (uint32_t)i * cstep + k1) ^ k2) : 0u;
+        float q = ROUND == 4 ? (KIND == 2 ? round_int_route(v, e) : round_float_route(v, e))
+                             : q_elem_k(v, e, rb, KIND, ROUND);
         y[i] = RULE == 0 ? q : q * dq;
     }
 }
@@ -329,18 +384,91 @@ LP_SEG_R(1, 1)
 LP_SEG_R(2, 1)
 LP_SEG_R(3, 0)
 LP_SEG_R(3, 1)
-LP_SEG(1, 4, 1, 0)
-LP_SEG(1, 4, 1, 1)
-LP_SEG(2, 4, 1, 0)
-LP_SEG(2, 4, 1, 1)
+LP_SEG_K(1, 4, 0)
+LP_SEG_K(1, 4, 1)
+LP_SEG_K(2, 4, 0)
+LP_SEG_K(2, 4, 1)
+LP_SEG_K(0, 5, 0)
+LP_SEG_K(1, 5, 0)
+LP_SEG_K(1, 5, 1)
+LP_SEG_K(2, 5, 0)
+LP_SEG_K(2, 5, 1)
+LP_SEG_K(3, 5, 0)
+LP_SEG_K(3, 5, 1)
 #define LP_ROW(RULE, PC) {{seg_##RULE##01##PC, seg_##RULE##02##PC}, {seg_##RULE##11##PC, seg_##RULE##12##PC}, \
                           {seg_##RULE##21##PC, seg_##RULE##22##PC}}
 static const seg_fn SEGS[4][3][2] = {LP_ROW(0, 0), LP_ROW(1, 0), LP_ROW(2, 0), LP_ROW(3, 0)};
 static const seg_fn COLS[4][3][2] = {LP_ROW(0, 0), LP_ROW(1, 1), LP_ROW(2, 1), LP_ROW(3, 1)};
 #undef LP_ROW
+/* stochastic rounding of finite scaled values (ROUND_FIN 5), [rule][kind] */
+#define LP_ROW(RULE, PC) {seg_##RULE##51##PC, seg_##RULE##52##PC}
+static const seg_fn SEGS_FIN[4][2] = {LP_ROW(0, 0), LP_ROW(1, 0), LP_ROW(2, 0), LP_ROW(3, 0)};
+static const seg_fn COLS_FIN[4][2] = {{0, 0}, LP_ROW(1, 1), LP_ROW(2, 1), LP_ROW(3, 1)};
+#undef LP_ROW
 #undef LP_SEG_R
 #undef LP_SEG_K
 #undef LP_SEG
+
+/* A row of blocks of GC elements along it (GC 16 or 32, a compile-time constant), the block scales qsv / deqv one per
+ * block (not spread over the row): each whole block is one fully vectorized loop with its scale broadcast, the
+ * partial last block (n not a multiple of GC) a loop of its own.  Same signature as the seg_ functions. */
+#define LP_BLK(RULE, ROUND, KIND, GC)                                                                               \
+    static __attribute__((noinline)) void blk_##RULE##ROUND##KIND##_##GC(                                           \
+        const float *x, float *y, int64_t n, const lp_elem *e0, float qs, float deq, const float *qsv,               \
+        const float *deqv, uint32_t cnt0, uint32_t cstep, uint32_t k1, uint32_t k2)                                  \
+    {                                                                                                               \
+        lp_elem e = *e0;                                                                                            \
+        int64_t nb = n / GC;                                                                                        \
+        (void)qs; (void)deq;                                                                                        \
+        for (int64_t b = 0; b < nb; b++)                                                                            \
+            segment(x + b * GC, y + b * GC, GC, &e, qsv[b], deqv[b], 0, 0, cnt0 + (uint32_t)(b * GC) * cstep,       \
+                    cstep, k1, k2, RULE, ROUND, KIND, 0);                                                           \
+        if (n > nb * GC)                                                                                            \
+            segment(x + nb * GC, y + nb * GC, n - nb * GC, &e, qsv[nb], deqv[nb], 0, 0,                             \
+                    cnt0 + (uint32_t)(nb * GC) * cstep, cstep, k1, k2, RULE, ROUND, KIND, 0);                       \
+    }
+#define LP_BLK_K(RULE, ROUND, GC) LP_BLK(RULE, ROUND, 1, GC) LP_BLK(RULE, ROUND, 2, GC)
+#define LP_BLK_R(RULE, GC) LP_BLK_K(RULE, 0, GC) LP_BLK_K(RULE, 1, GC) LP_BLK_K(RULE, 2, GC)
+#define LP_BLK_G(GC) LP_BLK_R(1, GC) LP_BLK_R(2, GC) LP_BLK_R(3, GC) LP_BLK_K(1, 4, GC) LP_BLK_K(2, 4, GC) \
+    LP_BLK_K(1, 5, GC) LP_BLK_K(2, 5, GC) LP_BLK_K(3, 5, GC)
+LP_BLK_G(16)
+LP_BLK_G(32)
+#define LP_ROW(RULE, GC) {{blk_##RULE##01_##GC, blk_##RULE##02_##GC}, {blk_##RULE##11_##GC, blk_##RULE##12_##GC}, \
+                          {blk_##RULE##21_##GC, blk_##RULE##22_##GC}}
+static const seg_fn BLKS[2][4][3][2] = {{{{0, 0}, {0, 0}, {0, 0}}, LP_ROW(1, 16), LP_ROW(2, 16), LP_ROW(3, 16)},
+                                        {{{0, 0}, {0, 0}, {0, 0}}, LP_ROW(1, 32), LP_ROW(2, 32), LP_ROW(3, 32)}};
+#undef LP_ROW
+#define LP_ROW(RULE, GC) {blk_##RULE##51_##GC, blk_##RULE##52_##GC}
+static const seg_fn BLKS_FIN[2][4][2] = {{{0, 0}, LP_ROW(1, 16), LP_ROW(2, 16), LP_ROW(3, 16)},
+                                         {{0, 0}, LP_ROW(1, 32), LP_ROW(2, 32), LP_ROW(3, 32)}};
+#undef LP_ROW
+/* the float (integer) route, [divide][kind]: one scale, one per element, per block of 16 or 32 */
+static const seg_fn ROUTE_SEG[2][2] = {{seg_1410, seg_1420}, {seg_2410, seg_2420}};
+static const seg_fn ROUTE_COL[2][2] = {{seg_1411, seg_1421}, {seg_2411, seg_2421}};
+static const seg_fn ROUTE_BLK[2][2][2] = {{{blk_141_16, blk_142_16}, {blk_241_16, blk_242_16}},
+                                          {{blk_141_32, blk_142_32}, {blk_241_32, blk_242_32}}};
+#undef LP_BLK_G
+#undef LP_BLK_R
+#undef LP_BLK_K
+#undef LP_BLK
+
+/* Unscaled stochastic rounding of n elements: pieces of 1024, each by the loop without special-value rules where
+ * the piece is finite (one integer max over its bits, which also brings it into cache), else the full loop. */
+static void unscaled_sr(const float *x, float *y, int64_t n, const lp_elem *e, seg_fn full, seg_fn fin, uint32_t cnt,
+                        uint32_t cstep, uint32_t k1, uint32_t k2)
+{
+    const uint32_t *xb = (const uint32_t *)(const void *)x;
+    for (int64_t c0 = 0; c0 < n; c0 += 1024) {
+        int64_t len = n - c0 < 1024 ? n - c0 : 1024;
+        uint32_t m = 0;
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t v = xb[c0 + i] & 0x7fffffffu;
+            m = v > m ? v : m;
+        }
+        (m < 0x7f800000u ? fin : full)(x + c0, y + c0, len, e, 1.0f, 1.0f, 0, 0, cnt + (uint32_t)c0 * cstep, cstep,
+                                       k1, k2);
+    }
+}
 
 /* Fake-quantize x into y (module comment): one row block (gr rows, all C columns, of one b) at a time, its group
  * amaxes, scales and elements together, so that the element pass reads the block from cache.  ld: the row stride
@@ -379,7 +507,9 @@ int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int
         for (int64_t rb = 0; rb < nr; rb++) {
             int64_t r0 = rb * gr, r1 = r0 + gr < R ? r0 + gr : R;
             const float *xblk = x + (b * R + r0) * ld;
-            seg_fn seg = SEGS[rule][rnd][kind], col = COLS[rule][rnd][kind];
+            int fixed = rule != 0 && nc > 1 && (gc == 16 || gc == 32);  /* blocks of 16 or 32 along the row */
+            seg_fn seg = SEGS[rule][rnd][kind];
+            seg_fn col = fixed ? BLKS[gc == 32][rule][rnd][kind] : COLS[rule][rnd][kind];
             if (rule != 0) {
                 if (amax_mode == 2) {
                     for (int64_t cb = 0; cb < nc; cb++) amax[cb] = f2u(amax_in);
@@ -387,17 +517,23 @@ int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int
                     return 0;
                 }
                 scales(amax, nc, s, s_t, m6, s_dec, qs, deq);
-                int route = e->float_route;
-                for (int64_t cb = 0; route && !clamped && cb < nc; cb++) {
+                int fin = 1;  /* every scaled value of the block finite */
+                for (int64_t cb = 0; fin && !clamped && cb < nc; cb++) {
                     float a = u2f(amax[cb]), vmax = rule == 2 ? a / qs[cb] : a * qs[cb];
-                    route = vmax <= 0x1.fffffep127f;
+                    fin = vmax <= 0x1.fffffep127f;
                 }
-                if (route) {
-                    seg = rule == 2 ? seg_2410 : seg_1410;  /* rule 3: the float route clamps first */
-                    col = rule == 2 ? seg_2411 : seg_1411;
+                /* (TE's clamp to +-fmax is not the integer route's clamp to [fmin, fmax]) */
+                int route = e->float_route && fin && !(clamped && e->kind == 2);
+                if (fin && rnd == 2) {
+                    seg = SEGS_FIN[rule][kind];
+                    col = fixed ? BLKS_FIN[gc == 32][rule][kind] : COLS_FIN[rule][kind];
                 }
-                if (gc > 1 && nc > 1) {  /* blocks along the row: their scales spread over the row once per row
-                                          * block, so that one vectorized loop runs over the whole row */
+                if (route) {  /* rule 3: the float route clamps first */
+                    seg = ROUTE_SEG[rule == 2][kind];
+                    col = fixed ? ROUTE_BLK[gc == 32][rule == 2][kind] : ROUTE_COL[rule == 2][kind];
+                }
+                if (gc > 1 && nc > 1 && !fixed) {  /* other blocks along the row: their scales spread over the row
+                                                    * once per row block, so that one vectorized loop runs over it */
                     for (int64_t cb = 0; cb < nc; cb++) {
                         int64_t c0 = cb * gc, c1 = c0 + gc < C ? c0 + gc : C;
                         for (int64_t c = c0; c < c1; c++) {
@@ -411,12 +547,14 @@ int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int
                 const float *xr = x + (b * R + r) * ld;
                 float *yr = y + (b * R + r) * ld;
                 uint32_t cnt = off + (uint32_t)((uint64_t)b * (uint64_t)sb + (uint64_t)r * (uint64_t)sr);
-                if (rule == 0) {
+                if (rule == 0 && rnd == 2) {
+                    unscaled_sr(xr, yr, C, e, seg, SEGS_FIN[0][kind], cnt, (uint32_t)sc, k1, k2);
+                } else if (rule == 0) {
                     seg(xr, yr, C, e, 1.0f, 1.0f, 0, 0, cnt, (uint32_t)sc, k1, k2);
                 } else if (gc == 1 && nc > 1) {
                     col(xr, yr, C, e, 0.0f, 0.0f, qs, deq, cnt, (uint32_t)sc, k1, k2);
                 } else if (nc > 1) {
-                    col(xr, yr, C, e, 0.0f, 0.0f, rowq, rowd, cnt, (uint32_t)sc, k1, k2);
+                    col(xr, yr, C, e, 0.0f, 0.0f, fixed ? qs : rowq, fixed ? deq : rowd, cnt, (uint32_t)sc, k1, k2);
                 } else {
                     seg(xr, yr, C, e, qs[0], deq[0], 0, 0, cnt, (uint32_t)sc, k1, k2);
                 }

@@ -8,6 +8,9 @@ dequantizes), for every scaling (tensor, axis,
 block, tile, none), every scale rule (float32 multiplier, E8M0 power of two with the floor / ceil / nearest rules,
 a scale rounded into a float format, NVFP4's two levels by either ``two_level_rule``), and round-to-nearest,
 toward-zero or stochastic rounding with the counter-based random words of ``_random`` computed in the same pass.
+Where a block's scaled values are all finite, round-to-nearest takes a float32 route (``(v + C) - C``, for float
+formats as in ``_elementwise``, for integer formats with their one grid step) and stochastic rounding skips the
+special-value rules.
 The results are the tensor route's bits (tests/test_native_group.py compares both routes on whole binades, edge
 values, every named spec, and transposed and odd-shaped tensors).
 
@@ -83,6 +86,11 @@ def _elem(fmt: FormatSpec, rounding: str, saturate: bool) -> _Elem | None:
     route = kind == 1 and clamp_over and fast_round_ok(fmt, rounding)
     k, cmin = route_constants(fmt) if route else (0.0, 0.0)
     route = route and _f32_exact(k) and _f32_exact(cmin) and route_fits(fmt, fmt.max)
+    if kind == 2 and rounding == "nearest" and fmt.mbits >= 1:
+        # integers: one grid step 2^(emin - M) below 2^(emin + 1), where every code lies; round_int_route rounds to
+        # nearest-even by (v + k) - k with k = 1.5 * 2^23 * step (ties to even: mbits >= 1, no ties-away)
+        k, cmin = 1.5 * 2.0 ** (23 + fmt.emin - fmt.mbits), 0.0
+        route = max(-fmt.min, fmt.max) < 2.0 ** (fmt.emin + 1) and _f32_exact(k)
     return _Elem(kind=kind, mbits=fmt.mbits, emin=fmt.emin, rounding=_ROUNDING[rounding],
                  ties_away=int(fmt.mbits == 0), clamp_over=int(clamp_over),
                  neg_zero=int(fmt.kind == "float" and fmt.has_negative_zero),
