@@ -14,11 +14,10 @@ Set-up: the shared library is built once per source version and machine type int
 ctypes; no torch headers are involved, so the build takes a few seconds (most of it the grouped kernel's
 specialised loops).  Where no C compiler is found, the build fails, or ``LOWPREC_NATIVE=0`` is set,
 ``available()`` is False and the tensor-operation route runs instead: the bits are the same either way, only the
-speed differs.  Each kernel is a single-threaded loop; calls on large
-tensors are split into ranges that run on several threads at once (``_parallel``; from 2^22 elements for the
-single passes here, 2^20 for the grouped kernel), which ctypes allows by releasing the GIL during every call.
-Under the default backend ("auto") the native kernels are used at every size where they apply, outside compiled
-regions (``_backend.runs_native``).
+speed differs.  Each kernel is a single-threaded loop; calls on large tensors are split into ranges that run on
+several threads at once (``_parallel``; from 2^22 elements for the single passes here, 2^20 for the grouped
+kernel), which ctypes allows by releasing the GIL during every call.  Under the default backend ("auto") the
+native kernels are used at every size where they apply, outside compiled regions (``_backend.runs_native``).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract
           "-fno-strict-aliasing", "-fopenmp-simd")
 _state: dict[str, object] = {}
 _ALIGN = 1024
-"""Where a split call's ranges may start (elements: 4 KiB, a memory page, so that no two threads write one page)."""
+"""A split call's ranges start at multiples of this many elements (4 KiB: few memory pages written by two threads)."""
 
 
 def _build() -> ctypes.CDLL | None:
