@@ -520,6 +520,30 @@ def evaluate_targets(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def markdown_table(report: dict[str, Any]) -> str:
+    """The README's table from a report: per recipe, the ratio to the fp32 step per model and mode (for an emulated
+    accumulator, also the ratio to fp8-tensorwise), a cell marked with * where its target is missed."""
+    checks = report["targets"]["checks"]
+    cols = [(m, mode) for m in report["results"] for mode in report["config"]["modes"]]
+    head = " | ".join(f"{m.upper()} {mode}" for m, mode in cols)
+    lines = [f"| recipe | {head} |", "|---|" + "---|" * len(cols)]
+    recipes = [r for r in next(iter(report["results"].values())) if r not in BASELINES]
+    for r in recipes:
+        cells = []
+        for m, mode in cols:
+            res = report["results"][m].get(r, {}).get(mode, {})
+            c = checks.get(f"{m}/{mode}/{r}")
+            if "ratio_to_fp32" not in res:
+                cells.append("-")
+                continue
+            cell = f"{res['ratio_to_fp32']:.2f}x"
+            if c is not None and c["against"] != "pytorch-fp32":
+                cell += f" ({c['ratio']:.2f}x {c['against']})"
+            cells.append(cell + ("" if c is None or c["met"] else " *"))
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Silence warnings and library chatter on stdout (stdout carries only the JSON)."""
@@ -555,6 +579,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"add a torch.profiler breakdown of eager steps of RECIPE (default {TARGET_RECIPE})")
     p.add_argument("--profile-model", choices=list(MODELS), default="mlp")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--table", metavar="REPORT_JSON", help="print the README's markdown table of a saved report")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.min_steps, args.max_config_s = 15, 11, 4.0
@@ -588,6 +613,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown_table(json.load(f)))
+        return 0
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.lowprec_backend is not None:
