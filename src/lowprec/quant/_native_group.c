@@ -106,7 +106,8 @@ static inline __attribute__((always_inline)) float q_elem_k(float v, const lp_el
     int neg = (int32_t)bits < 0;
     if (KIND == 2) {  /* integers: one zero, clamp to the code range; inf saturates, NaN stays */
         float s = neg ? -mag : mag;
-        s = s < e->fmin ? e->fmin : (s > e->fmax ? e->fmax : s);
+        s = s < e->fmin ? e->fmin : s;  /* (two selects, each one vmaxps / vminps) */
+        s = s > e->fmax ? e->fmax : s;
         float out = s + 0.0f;
         if (FIN) return out;
         float special = v != v ? v : (v < e->fmin ? e->fmin : (v > e->fmax ? e->fmax : v));
@@ -324,7 +325,8 @@ static uint32_t all_amax(const float *x, int64_t B, int64_t R, int64_t C, int64_
  * float32's exponent range, round to nearest, clamp_over (the caller checks). */
 static inline __attribute__((always_inline)) float round_float_route(float v, const lp_elem *e)
 {
-    v = v < -e->fmax ? -e->fmax : (v > e->fmax ? e->fmax : v);
+    v = v < -e->fmax ? -e->fmax : v;  /* (two selects, each one vmaxps / vminps; NaN passes either way) */
+    v = v > e->fmax ? e->fmax : v;
     float c = u2f(f2u(v) & 0x7f800000u) * e->k;
     c = c < e->cmin ? e->cmin : c;
     float r = (v + c) - c;
@@ -339,7 +341,8 @@ static inline __attribute__((always_inline)) float round_float_route(float v, co
  * even) and the subtraction is exact.  Zero results are +0 (x - x), as integers have one zero. */
 static inline __attribute__((always_inline)) float round_int_route(float v, const lp_elem *e)
 {
-    v = v < e->fmin ? e->fmin : (v > e->fmax ? e->fmax : v);
+    v = v < e->fmin ? e->fmin : v;
+    v = v > e->fmax ? e->fmax : v;
     return (v + e->k) - e->k;
 }
 
@@ -356,7 +359,10 @@ static inline __attribute__((always_inline)) void segment(const float *x, float 
     for (int64_t i = 0; i < n; i++) {
         float m = PER_COL ? qsv[i] : qs, dq = PER_COL ? deqv[i] : deq;
         float v = RULE == 0 ? x[i] : (RULE == 2 ? x[i] / m : x[i] * m);
-        if (RULE == 3) v = v < -e->fmax ? -e->fmax : (v > e->fmax ? e->fmax : v);
+        if (RULE == 3) {  /* two selects, each one vmaxps / vminps (NaN passes either way) */
+            v = v < -e->fmax ? -e->fmax : v;
+            v = v > e->fmax ? e->fmax : v;
+        }
         uint32_t rb = ROUND == 2 || ROUND == 5 ? h32(h32(cnt0 + (uint32_t)i * cstep + k1) ^ k2) : 0u;
         float q = ROUND == 4 ? (KIND == 2 ? round_int_route(v, e) : round_float_route(v, e))
                              : q_elem_k(v, e, rb, KIND, ROUND);
