@@ -42,6 +42,8 @@ lint: $(LINT_STAMP) $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_quant.py
 	$(PY) benchmarks/bench_train.py --threads 1
+	$(PY) benchmarks/accumulator_error.py
+	$(PY) benchmarks/bench_jax.py
 	$(PY) benchmarks/bench_transformers.py --threads 1
 	$(PY) benchmarks/bench_inference.py --threads 1
 
