@@ -10,14 +10,16 @@ same bytes.  No C compiler, or a failed build: None, and the callers take their 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def cache_dir() -> Path:
@@ -68,3 +70,14 @@ def build(prefix: str, sources: Sequence[Path], flags: Sequence[str], *, key_ext
             Path(tmp).unlink(missing_ok=True)
             return None
     return out
+
+
+@contextlib.contextmanager
+def switch(state: dict[str, Any], on: bool) -> Iterator[None]:
+    """Within the block, ``state["off"]`` is ``not on`` (the kernels' ``enabled`` context managers)."""
+    old = state.get("off", False)
+    state["off"] = not on
+    try:
+        yield
+    finally:
+        state["off"] = old

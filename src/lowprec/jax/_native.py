@@ -66,12 +66,8 @@ def available() -> bool:
 def enabled(on: bool) -> Iterator[None]:
     """Within the block, trace with the kernel only if ``on`` (and it is available); tests compare both routes
     this way (with a fresh ``jax.jit``: a cached trace keeps the route it was traced with)."""
-    old = _state.get("off", False)
-    _state["off"] = not on
-    try:
+    with _native_build.switch(_state, on):
         yield
-    finally:
-        _state["off"] = old
 
 
 def absmax_bits(xf: jax.Array) -> jax.Array:

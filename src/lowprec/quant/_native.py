@@ -84,12 +84,8 @@ def _lib() -> ctypes.CDLL | None:
 def enabled(on: bool) -> Iterator[None]:
     """Within the block, use the native kernels only if ``on`` (and they are available); tests compare both
     routes this way."""
-    old = _state.get("off", False)
-    _state["off"] = not on
-    try:
+    with _native_build.switch(_state, on):
         yield
-    finally:
-        _state["off"] = old
 
 
 def available() -> bool:
