@@ -122,6 +122,7 @@ BLOCK_CASES = [
     Accumulator(block=3, bits=5, rounding="nearest", format="e8m4", chunk=9),
     Accumulator(block=2, bits=12, rounding="toward_zero", format="float16"),
     Accumulator(block=1, bits=48, rounding="nearest"),  # an exact product added with one rounding: fl32(c + p)
+    Accumulator(block=64, bits=48, rounding="toward_zero"),  # 48 + log2(65) > 53 bits: the int64 route
 ]
 
 

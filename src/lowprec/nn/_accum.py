@@ -94,11 +94,7 @@ def _round_fraction(x: Fraction, fmt: FormatSpec | None, toward_zero: bool) -> f
     if x == 0:
         return 0.0
     mag = abs(x)
-    e = max(min(math.floor(math.log2(mag)), emax), emin)
-    while Fraction(2) ** e > mag and e > emin:  # log2 of a Fraction can be off by one near powers of two
-        e -= 1
-    while Fraction(2) ** (e + 1) <= mag and e < emax:
-        e += 1
+    e = max(min(_binade(mag), emax), emin)
     q = Fraction(2) ** (e - mbits)
     n = mag / q
     r = math.floor(n) if toward_zero else round(n)  # round() of a Fraction: ties to even
@@ -119,8 +115,8 @@ def blocked_reference(a: list[list[float]], b: list[list[float]], acc: Accumulat
         for col in b:
             total, c, since = 0.0, 0.0, 0
             for k0 in range(0, len(row), acc.block):
-                terms = [Fraction(c)] + [Fraction(u) * Fraction(v) for u, v in
-                                         zip(row[k0:k0 + acc.block], col[k0:k0 + acc.block], strict=True)]
+                prods = [u * v for u, v in zip(row[k0:k0 + acc.block], col[k0:k0 + acc.block], strict=True)]
+                terms = [Fraction(c)] + [Fraction(p) for p in prods]  # products of floats: exact in double
                 nonzero = [t for t in terms if t != 0]
                 if nonzero:
                     e = max(_binade(t) for t in nonzero)
@@ -128,8 +124,8 @@ def blocked_reference(a: list[list[float]], b: list[list[float]], acc: Accumulat
                     s = sum((math.trunc(t / q) * q for t in terms), Fraction(0))
                     c = _round_fraction(s, fmt, tz) if s != 0 else 0.0
                 else:
-                    c = -0.0 if all(math.copysign(1.0, float(t)) < 0 for t in terms) else 0.0
-                since += len(terms) - 1
+                    c = -0.0 if all(math.copysign(1.0, v) < 0 for v in [c, *prods]) else 0.0  # signs: floats
+                since += len(prods)
                 if acc.chunk is not None and since >= acc.chunk:
                     total = _f32(total + c)
                     c, since = 0.0, 0
@@ -139,6 +135,7 @@ def blocked_reference(a: list[list[float]], b: list[list[float]], acc: Accumulat
 
 
 def _binade(t: Fraction) -> int:
+    """``floor(log2 |t|)`` exactly (``math.log2`` of a Fraction can be off by one near powers of two)."""
     e = math.floor(math.log2(abs(t)))
     while Fraction(2) ** e > abs(t):
         e -= 1

@@ -193,7 +193,7 @@ static double blocked_block(double c, const float *a, const float *b, int64_t ld
  * while bits + log2(n + 1) <= 53 (the caller checks).  A column with an infinite or NaN term (exponent field 2047)
  * is redone by blocked_block. */
 static void blocked_tile(const float *a, const float *b, float *out, int64_t nc, int64_t ldb, int64_t K,
-                         int64_t chunk, int64_t n, int32_t bits, const lp_acc_fmt *f)
+                         int64_t chunk, int64_t n, int32_t bits, const lp_acc_fmt *f, int wide)
 {
     double c[NB];
     float total[NB];
@@ -204,6 +204,10 @@ static void blocked_tile(const float *a, const float *b, float *out, int64_t nc,
     int64_t since = 0;
     for (int64_t k0 = 0; k0 < K; k0 += n) {
         const int64_t kn = K - k0 < n ? K - k0 : n;
+        if (wide) { /* sums that double cannot hold exactly: the scalar int64 route, column by column */
+            for (int64_t j = 0; j < nc; ++j) c[j] = blocked_block(c[j], a + k0, b + k0 * ldb + j, ldb, kn, bits, f);
+            goto promote;
+        }
         uint64_t emx[NB], neg[NB];
         for (int j = 0; j < NB; ++j) {
             uint64_t u = d2u(c[j]);
@@ -252,6 +256,7 @@ static void blocked_tile(const float *a, const float *b, float *out, int64_t nc,
             else if (emx[j] == 0) c[j] = neg[j] ? -0.0 : 0.0;
             else c[j] = odd[j] ? q_ieee(sum[j] * unscale[j], f) : res[j];
         }
+    promote:
         since += kn;
         if (chunk > 0 && since >= chunk) {
             for (int j = 0; j < NB; ++j) {
@@ -271,27 +276,7 @@ void lp_accum_blocked(const float *a, const float *b, float *out, int64_t M, int
 {
     int wide = bits + 64 - __builtin_clzll((unsigned long long)n) > 53; /* n + 1 terms below 2^bits: exact sums */
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t j0 = 0; j0 < N; j0 += NB) {
-            int64_t nc = N - j0 < NB ? N - j0 : NB;
-            if (!wide) {
-                blocked_tile(a + m * K, b + j0, out + m * N + j0, nc, ldb, K, chunk, n, bits, f);
-                continue;
-            }
-            for (int64_t j = j0; j < j0 + nc; ++j) {
-                float total = 0.0f;
-                double c = 0.0;
-                int64_t since = 0;
-                for (int64_t k0 = 0; k0 < K; k0 += n) {
-                    int64_t kn = K - k0 < n ? K - k0 : n;
-                    c = blocked_block(c, a + m * K + k0, b + k0 * ldb + j, ldb, kn, bits, f);
-                    since += kn;
-                    if (chunk > 0 && since >= chunk) {
-                        total = total + (float)c;
-                        c = 0.0;
-                        since = 0;
-                    }
-                }
-                out[m * N + j] = total + (float)c;
-            }
-        }
+        for (int64_t j0 = 0; j0 < N; j0 += NB)
+            blocked_tile(a + m * K, b + j0, out + m * N + j0, N - j0 < NB ? N - j0 : NB, ldb, K, chunk, n, bits, f,
+                         wide);
 }
