@@ -9,6 +9,9 @@
 * ``simulate_reduction(world, algorithm=..., payload=..., accumulate=...)``: the exact result of all-reducing
   ``world`` ranks' gradients (ring, tree, recursive halving, all-to-all, gradient accumulation) for up to 10^6
   ranks on one machine, against the float64 sum and the rounding-error analysis (``docs/reductions.md``).
+* ``Pipeline(model, loss_fn=..., microbatches=M, schedule="gpipe" | "1f1b")``: pipeline parallelism on
+  ``torch.distributed.pipelining``, stage r of ``split_stages(model, ...)`` on rank r, emulated numerics equal to
+  one process accumulating gradients over the same microbatches (``accumulate_step``).
 
 Runs launched with ``lowprec run`` (``parallel.strategy = "ddp" | "fsdp2"``) use these for you.
 """
@@ -23,6 +26,12 @@ from ._fsdp import amax_histories as amax_histories
 from ._fsdp import mixed_precision_policy as mixed_precision_policy
 from ._fsdp import shard_model as shard_model
 from ._fsdp import sync_amax_histories as sync_amax_histories
+from ._pipeline import Pipeline as Pipeline
+from ._pipeline import accumulate_step as accumulate_step
+from ._pp_split import StageModule as StageModule
+from ._pp_split import pipeline_pieces as pipeline_pieces
+from ._pp_split import split_microbatches as split_microbatches
+from ._pp_split import split_stages as split_stages
 from ._simulate import ReductionResult as ReductionResult
 from ._simulate import gaussian_gradients as gaussian_gradients
 from ._simulate import predicted_rel_l2 as predicted_rel_l2
@@ -30,17 +39,23 @@ from ._simulate import simulate_reduction as simulate_reduction
 
 __all__ = [
     "CompressState",
+    "Pipeline",
     "ReductionResult",
+    "StageModule",
     "allgather_bytes",
     "allgather_stats",
+    "accumulate_step",
     "amax_histories",
     "compress_allreduce_hook",
     "compress_hook",
     "gaussian_gradients",
     "mixed_precision_policy",
+    "pipeline_pieces",
     "predicted_rel_l2",
     "rounding_seed",
     "shard_model",
     "simulate_reduction",
+    "split_microbatches",
+    "split_stages",
     "sync_amax_histories",
 ]

@@ -20,7 +20,7 @@ quantization and loss scaling, and any state tensors with those three names.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,13 +53,25 @@ def _local(p: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 class LowPrecisionOptimizer:
-    """Wraps ``optimizer`` with ``recipe``'s policies.  Use ``scale_loss(loss).backward()`` then ``step()``."""
+    """Wraps ``optimizer`` with ``recipe``'s policies.  Use ``scale_loss(loss).backward()`` then ``step()``.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, recipe: Recipe | str) -> None:
+    ``param_index``: the index of each of the optimizer's parameters (in param-group order) in the whole model's
+    parameter list, which keys the stochastic weight update's random stream; default ``0, 1, ...``.  A pipeline
+    stage's optimizer holds a subset of the parameters and passes ``Pipeline.param_index`` so its draws are those
+    of one process.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, recipe: Recipe | str, *,
+                 param_index: Sequence[int] | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UsageError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.recipe = recipes.get(recipe)
+        n = sum(len(g["params"]) for g in optimizer.param_groups)
+        if param_index is not None and len(param_index) != n:
+            raise UsageError(f"param_index has {len(param_index)} entries but the optimizer holds {n} parameters; "
+                             "give one index per parameter, in param-group order")
+        self.param_index = None if param_index is None else [int(i) for i in param_index]
         self.scaler = LossScaler(self.recipe.loss_scaling)
         self.steps = 0
         self.compensation: dict[int, torch.Tensor] = {}
@@ -120,7 +132,8 @@ class LowPrecisionOptimizer:
             if w.update == "nearest":
                 p.copy_(quantize(p, w.format))
             elif w.update == "stochastic":
-                seed = stream_seed(self.recipe.seed, "weight-update", str(self.steps), str(i))
+                index = i if self.param_index is None else self.param_index[i]
+                seed = stream_seed(self.recipe.seed, "weight-update", str(self.steps), str(index))
                 p.copy_(quantize(p, w.format, rounding="stochastic", seed=seed, offset=offset))
             else:  # kahan
                 old, _ = _local(before[i])

@@ -123,13 +123,36 @@ class TinyGPT(nn.Module):
             self.lm_head.weight = self.tok_embed.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.context:
-            raise UsageError(f"sequence length {t} exceeds the model's context {self.context}")
-        x = self.tok_embed(idx) + self.pos_embed.weight[:t]
+        x = embed(self.tok_embed, self.pos_embed, idx)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    def pipeline_pieces(self) -> list[tuple[str, nn.Module]]:
+        """The forward as a chain for pipeline parallelism (``lowprec.distributed.split_stages``): ``embed``,
+        ``blocks.0`` .. ``blocks.{L-1}``, ``ln_f``, ``lm_head`` (the model's own modules)."""
+        return [("embed", Embed(self.tok_embed, self.pos_embed)),
+                *((f"blocks.{i}", b) for i, b in enumerate(self.blocks)),
+                ("ln_f", self.ln_f), ("lm_head", self.lm_head)]
+
+
+def embed(tok_embed: nn.Embedding, pos_embed: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    """``[B,T]`` int64 bytes -> ``[B,T,d]`` token + learned position embeddings (``T <= context``)."""
+    t = idx.shape[1]
+    if t > pos_embed.num_embeddings:
+        raise UsageError(f"sequence length {t} exceeds the model's context {pos_embed.num_embeddings}")
+    return tok_embed(idx) + pos_embed.weight[:t]
+
+
+class Embed(nn.Module):
+    """TinyGPT's first step as a module of its own (a pipeline piece), over the model's embedding modules."""
+
+    def __init__(self, tok_embed: nn.Embedding, pos_embed: nn.Embedding) -> None:
+        super().__init__()
+        self.tok_embed, self.pos_embed = tok_embed, pos_embed
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return embed(self.tok_embed, self.pos_embed, idx)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

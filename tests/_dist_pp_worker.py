@@ -1,0 +1,99 @@
+"""Run under torchrun (2 ranks = 2 pipeline stages, gloo): lowprec.distributed.Pipeline against one process.
+
+argv: output directory, JSON list of cases ``[model, recipe, schedule]`` (schedule "accum" / "whole": the
+one-process baselines, run on every rank: gradient accumulation over the same microbatches, and the whole batch in
+one forward).  Writes ``rank<r>.json`` with, per case: per-step losses (float.hex), and for every parameter and
+buffer (``lp_step``, amax histories) the rank's stage holds (all of them for a baseline), a sha256 digest by its
+name in the whole model; parameters also as float lists for the tolerance tests.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import lowprec
+from lowprec.distributed import Pipeline, accumulate_step
+from lowprec.optim import LowPrecisionOptimizer
+from lowprec.runs.zoo import get_task
+
+STEPS = 3
+MICROBATCHES = 4
+BATCH = 16
+MODELS = {
+    "gpt": ("gpt-bytes", {"layers": 2, "d_model": 32, "heads": 2, "context": 16}, {"split_points": ["blocks.1"]}),
+    "mlp": ("mlp-digits", {"hidden": 32, "layers": 2},
+            {"split_points": ["layers.1"], "order": ["layers.0", "act", "layers.1", "act", "head"]}),
+}
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def state(model: torch.nn.Module, modules: list[torch.nn.Module]) -> dict[str, object]:
+    """Digests of the parameters and buffers of ``modules`` (by their names in ``model``), parameters as lists."""
+    mine = {id(t) for m in modules for t in [*m.parameters(), *m.buffers()]}
+    params = {n: p for n, p in model.named_parameters() if id(p) in mine}
+    bufs = {n: b for n, b in model.named_buffers() if id(b) in mine}
+    return {"params": {n: digest(p) for n, p in params.items()}, "buffers": {n: digest(b) for n, b in bufs.items()},
+            "values": {n: p.detach().flatten().tolist() for n, p in params.items()},
+            "lp_step": {n: int(b) for n, b in bufs.items() if n.endswith("lp_step")}}
+
+
+def run_case(model_key: str, recipe: str, schedule: str) -> dict[str, object]:
+    task_name, options, split = MODELS[model_key]
+    task = get_task(task_name, seed=0, batch_size=BATCH, **options)
+    model = task.model
+    lowprec.convert(model, recipe)  # before splitting: lowprec_name is the path in the whole model
+    model.train()
+    losses = []
+    if schedule in ("accum", "whole"):
+        opt = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), recipe)
+        for step in range(STEPS):
+            x, y = task.train_batch(step)
+            if schedule == "accum":
+                loss = accumulate_step(model, x, y, task.loss_fn, microbatches=MICROBATCHES)
+            else:
+                loss = task.loss_fn(model(x), y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        return {"losses": [float.hex(v) for v in losses], **state(model, [model])}
+    pipe = Pipeline(model, loss_fn=task.loss_fn, microbatches=MICROBATCHES, schedule=schedule, **split)
+    opt = LowPrecisionOptimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2), recipe, param_index=pipe.param_index)
+    for step in range(STEPS):
+        x, y = task.train_batch(step)
+        loss = pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": [float.hex(v) for v in losses], "pieces": pipe.module.piece_names,
+            **state(model, [pipe.module])}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = []
+    for model_key, recipe, schedule in json.loads(sys.argv[2]):
+        t0 = time.perf_counter()
+        out = run_case(model_key, recipe, schedule)
+        results.append({"model": model_key, "recipe": recipe, "schedule": schedule, **out,
+                        "seconds": round(time.perf_counter() - t0, 3)})
+    with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:  # one file per rank: no interleaved lines
+        json.dump({"rank": rank, "cases": results}, f)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
