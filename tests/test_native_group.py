@@ -190,6 +190,59 @@ def test_training_through_both_routes_gives_the_same_weights(recipe: str) -> Non
         assert_bitwise_equal(a, b, context=f"{recipe} tensor {i}")
 
 
+def _kahan_by_tensors(p: torch.Tensor, old: torch.Tensor, c: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
+    """The Kahan update of ``lowprec.optim`` by tensor operations (the optimizer's fallback lines)."""
+    with _backend.fast_paths(False):
+        y = (p - old) - c
+        t = lowprec.quantize(old + y, fmt)
+        return t, lowprec.quantize((t - old) - y, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "tf32", "float16", "float8_e4m3fn", "int8"])
+def test_stochastic_rounding_in_place_matches_the_tensor_route(fmt: str) -> None:
+    """``round_in_place`` (the optimizer's stochastic weight update) against ``quantize`` with the fast paths off:
+    the formats with float32's exponent range take the kernel's short loop (``seg_sr_wide``), the others the
+    general one; values past the format's largest (overflow to inf), inf, NaN, signed zeros and float32
+    subnormals; a counter offset; a transposed tensor is declined and left unchanged."""
+    spec = formats.get(fmt)
+    x = _varied((300, 77), 5)
+    x.view(-1)[20:26] = torch.tensor([spec.max, -spec.max, 3.3999e38, float("inf"), float("nan"), -1e-40])
+    with _backend.fast_paths(False):
+        want = lowprec.quantize(x, fmt, rounding="stochastic", seed=1234, offset=77)
+    got = x.clone()
+    assert _native_group.round_in_place(got, spec, "stochastic", 1234, 77)
+    assert_bitwise_equal(got, want, context=fmt)
+    t = x.t()
+    assert not _native_group.round_in_place(t, spec, "stochastic", 1234, 77)
+    assert_bitwise_equal(t, x.t(), context=f"{fmt} declined")
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8"])
+def test_kahan_update_matches_the_tensor_operations(fmt: str) -> None:
+    """The fused update (lp_kahan_update) against the tensor lines, in pieces of 1024 that take its vectorized
+    route (every value finite and at most fmax / 4) and pieces that take the route with the special-value rules:
+    values just below and above fmax / 4, overflow of old + y past fmax, inf and NaN, signed zeros, subnormals,
+    small updates that round away (the compensation then carries them) and updates of whole steps."""
+    spec = formats.get(fmt)
+    g = torch.Generator().manual_seed(7)
+    n = 1024 * 8
+    old = lowprec.quantize(torch.randn(n, generator=g) * spec.max / 64, fmt)
+    step = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 2, (n,), generator=g).float())
+    p = old + step * old.abs().clamp_min(2.0**-20)
+    c = lowprec.quantize(torch.randn(n, generator=g) * spec.max * 2.0**-12, fmt)
+    quarter = spec.max / 4
+    p[1024:1030] = torch.tensor([quarter, -quarter, quarter * 1.0001, 0.0, -0.0, 1e-42])  # the bound, both sides
+    old[2048:2052] = torch.tensor([spec.max, -spec.max, spec.max, 0.0])  # old + y past fmax
+    p[2048:2052] = torch.tensor([spec.max * 3, -spec.max * 0.9, -spec.max * 3, -0.0])
+    p[3072], old[3073], c[3074] = float("inf"), float("nan"), float("-inf")
+    p[4096:4104] = old[4096:4104]  # no update at all
+    want_p, want_c = _kahan_by_tensors(p, old, c, fmt)
+    got_p, got_c = p.clone(), c.clone()
+    assert _native_group.kahan_update(got_p, old, got_c, spec)
+    assert_bitwise_equal(got_p, want_p, context=f"{fmt} weights")
+    assert_bitwise_equal(got_c, want_c, context=f"{fmt} compensation")
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16", "float8_e4m3fn", "int8"])
 def test_stochastic_quantize_matches_the_kernel(fmt: str) -> None:
     x = _varied((300, 77), 11)

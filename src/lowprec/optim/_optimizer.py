@@ -134,7 +134,8 @@ class LowPrecisionOptimizer:
             elif w.update == "stochastic":
                 index = i if self.param_index is None else self.param_index[i]
                 seed = stream_seed(self.recipe.seed, "weight-update", str(self.steps), str(index))
-                p.copy_(quantize(p, w.format, rounding="stochastic", seed=seed, offset=offset))
+                if not _native_group.round_in_place(p, formats.get(w.format), "stochastic", seed, offset):
+                    p.copy_(quantize(p, w.format, rounding="stochastic", seed=seed, offset=offset))
             else:  # kahan
                 old, _ = _local(before[i])
                 c = self.compensation[i]

@@ -74,8 +74,9 @@ static inline float pow2f(int32_t k)
 static inline __attribute__((always_inline)) float q_elem_k(float v, const lp_elem *e, uint32_t rb, const int KIND,
                                                             const int ROUND_FIN)
 {
-    /* ROUND_FIN 5: stochastic rounding of values the caller knows to be finite (no special-value rules) */
-    const int FIN = ROUND_FIN == 5, ROUND = FIN ? 2 : ROUND_FIN;
+    /* ROUND_FIN 5 / 6: stochastic / nearest rounding of values the caller knows to be finite (no special-value
+     * rules: the loops calling it vectorize, which those with the special-value selects do not) */
+    const int FIN = ROUND_FIN == 5 || ROUND_FIN == 6, ROUND = ROUND_FIN == 5 ? 2 : (ROUND_FIN == 6 ? 0 : ROUND_FIN);
     if (KIND == 0) return v;
     uint32_t bits = f2u(v), a = bits & 0x7fffffffu;
     int finite = FIN || a < 0x7f800000u;
@@ -458,6 +459,31 @@ static const seg_fn ROUTE_BLK[2][2][2] = {{{blk_141_16, blk_142_16}, {blk_241_16
 #undef LP_BLK_K
 #undef LP_BLK
 
+/* Stochastic rounding of finite values onto a float format with float32's exponent range or more (emin <= -126:
+ * bfloat16 and the other e8 formats): there the d = 23 - M dropped bits always lie in the mantissa field, so
+ * q_elem_k's ROUND_FIN 5 result is its "fast" branch alone: the bits plus (mask ^ top d bits of u), the low d bits
+ * cleared, then the overflow and zero rules (the same bits in a third of the operations).  Same signature as the
+ * seg_ functions; the scale arguments are unused. */
+static __attribute__((noinline)) void seg_sr_wide(const float *x, float *y, int64_t n, const lp_elem *e0, float qs,
+                                                  float deq, const float *qsv, const float *deqv, uint32_t cnt0,
+                                                  uint32_t cstep, uint32_t k1, uint32_t k2)
+{
+    (void)qs; (void)deq; (void)qsv; (void)deqv;
+    const uint32_t *xb = (const uint32_t *)(const void *)x;
+    uint32_t *yb = (uint32_t *)(void *)y;
+    int32_t d = 23 - e0->mbits;
+    uint32_t lm = (1u << d) - 1u, fmb = f2u(e0->fmax), ovb = e0->clamp_over ? fmb : f2u(e0->over_value);
+    float zero = e0->neg_zero ? -0.0f : 0.0f;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits = xb[i], a = bits & 0x7fffffffu, sgn = bits & 0x80000000u;
+        uint32_t u = h32(h32(cnt0 + (uint32_t)i * cstep + k1) ^ k2) >> 1;
+        uint32_t mb = (a + (lm ^ (u >> (31 - d)))) & ~lm;
+        mb = mb > fmb ? ovb : mb;
+        yb[i] = f2u(u2f(mb | sgn) + zero);
+    }
+}
+
 /* Unscaled stochastic rounding of n elements: pieces of 1024, each by the loop without special-value rules where
  * the piece is finite (one integer max over its bits, which also brings it into cache), else the full loop. */
 static void unscaled_sr(const float *x, float *y, int64_t n, const lp_elem *e, seg_fn full, seg_fn fin, uint32_t cnt,
@@ -554,7 +580,8 @@ int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int
                 float *yr = y + (b * R + r) * ld;
                 uint32_t cnt = off + (uint32_t)((uint64_t)b * (uint64_t)sb + (uint64_t)r * (uint64_t)sr);
                 if (rule == 0 && rnd == 2) {
-                    unscaled_sr(xr, yr, C, e, seg, SEGS_FIN[0][kind], cnt, (uint32_t)sc, k1, k2);
+                    seg_fn fin = kind == 0 && e->emin <= -126 && e->mbits >= 1 ? seg_sr_wide : SEGS_FIN[0][kind];
+                    unscaled_sr(xr, yr, C, e, seg, fin, cnt, (uint32_t)sc, k1, k2);
                 } else if (rule == 0) {
                     seg(xr, yr, C, e, 1.0f, 1.0f, 0, 0, cnt, (uint32_t)sc, k1, k2);
                 } else if (gc == 1 && nc > 1) {
@@ -571,35 +598,56 @@ int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int
 }
 
 /* One Kahan-compensated weight update (optim._optimizer "kahan"), all in place, e describing the weight format with
- * round-to-nearest (e->kind 1 or 2):  y = (p - old) - c;  t = Q(old + y);  c = Q((t - old) - y);  p = t. */
+ * round-to-nearest (e->kind 1 or 2):  y = (p - old) - c;  t = Q(old + y);  c = Q((t - old) - y);  p = t.
+ * ROUND 0 applies the special-value rules; ROUND 6 (it vectorizes) is for pieces whose values are all finite and at
+ * most fmax / 4 in magnitude: then |old + y| <= 4 max <= fmax, so t is finite, and (t - old) - y is a finite float32
+ * (fmax <= 2^128): every value rounded is finite, the case where both modes give the same bits. */
 static inline __attribute__((always_inline)) void kahan(float *p, const float *old, float *c, int64_t n,
-                                                        const lp_elem *e, const int KIND)
+                                                        const lp_elem *e, const int KIND, const int ROUND)
 {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
         float y = (p[i] - old[i]) - c[i];
-        float t = q_elem_k(old[i] + y, e, 0u, KIND, 0);
-        c[i] = q_elem_k((t - old[i]) - y, e, 0u, KIND, 0);
+        float t = q_elem_k(old[i] + y, e, 0u, KIND, ROUND);
+        c[i] = q_elem_k((t - old[i]) - y, e, 0u, KIND, ROUND);
         p[i] = t;
     }
 }
 
-static __attribute__((noinline)) void kahan_float(float *p, const float *old, float *c, int64_t n, const lp_elem *e0)
-{
-    lp_elem e = *e0;
-    kahan(p, old, c, n, &e, 1);
-}
+#define LP_KAHAN(NAME, KIND, ROUND)                                                                               \
+    static __attribute__((noinline)) void NAME(float *p, const float *old, float *c, int64_t n, const lp_elem *e0) \
+    {                                                                                                             \
+        lp_elem e = *e0;                                                                                          \
+        kahan(p, old, c, n, &e, KIND, ROUND);                                                                     \
+    }
+LP_KAHAN(kahan_float, 1, 0)
+LP_KAHAN(kahan_int, 2, 0)
+LP_KAHAN(kahan_float_fin, 1, 6)
+LP_KAHAN(kahan_int_fin, 2, 6)
+#undef LP_KAHAN
 
-static __attribute__((noinline)) void kahan_int(float *p, const float *old, float *c, int64_t n, const lp_elem *e0)
+/* max |bits| of n floats (an integer max: NaN and inf compare above every finite value) */
+static inline uint32_t max_abs_bits(const float *x, int64_t n)
 {
-    lp_elem e = *e0;
-    kahan(p, old, c, n, &e, 2);
+    const uint32_t *xb = (const uint32_t *)(const void *)x;
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t v = xb[i] & 0x7fffffffu;
+        m = v > m ? v : m;
+    }
+    return m;
 }
 
 void lp_kahan_update(float *p, const float *old, float *c, int64_t n, const lp_elem *e)
 {
-    if (e->kind == 2)
-        kahan_int(p, old, c, n, e);
-    else
-        kahan_float(p, old, c, n, e);
+    typedef void (*kahan_fn)(float *, const float *, float *, int64_t, const lp_elem *);
+    kahan_fn full = e->kind == 2 ? kahan_int : kahan_float, fin = e->kind == 2 ? kahan_int_fin : kahan_float_fin;
+    uint32_t lim = f2u(e->fmax * 0.25f);
+    for (int64_t c0 = 0; c0 < n; c0 += 1024) {  /* pieces of 1024: the checks bring them into cache */
+        int64_t len = n - c0 < 1024 ? n - c0 : 1024;
+        uint32_t m = max_abs_bits(p + c0, len), mo = max_abs_bits(old + c0, len), mc = max_abs_bits(c + c0, len);
+        m = mo > m ? mo : m;
+        m = mc > m ? mc : m;
+        (m <= lim ? fin : full)(p + c0, old + c0, c + c0, len, e);
+    }
 }

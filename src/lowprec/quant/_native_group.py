@@ -36,6 +36,7 @@ import torch
 
 from ..formats import FormatSpec
 from . import _native, _parallel
+from ._random_py import seed_keys
 from ._scale_rules import _SCALE_ROUNDING_TO_ELEM, _mantissa_bits, te_constants, uses_multiplier
 from ._spec import QuantSpec
 
@@ -209,24 +210,45 @@ def fake(x: torch.Tensor, spec: QuantSpec, keys: torch.Tensor | None, offset: to
     """``fake_quantize_tensors(x, spec, keys=keys, offset=offset)`` by the native kernel (large tensors: split
     across threads, ``_split``), or None where the kernel does not apply (module docstring).  ``x``: float32,
     bfloat16 or float16; the result has its dtype."""
-    p = plan(spec)
-    lib = _native.lib()
-    if p is None or lib is None or not usable(x):
-        return None
-    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
-    v = _view(xf, spec)
     k1 = k2 = off = 0
     if spec.rounding == "stochastic":
         if keys is None or offset is None:
             return None
         k1, k2 = (int(k) & 0xFFFFFFFF for k in keys.tolist())
         off = int(offset) & 0xFFFFFFFF
-    y = torch.empty_like(v.base)
+    return _fake(x, spec, k1, k2, off, in_place=False)
+
+
+def _fake(x: torch.Tensor, spec: QuantSpec, k1: int, k2: int, off: int, *, in_place: bool) -> torch.Tensor | None:
+    p = plan(spec)
+    lib = _native.lib()
+    if p is None or lib is None or not usable(x):
+        return None
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+    v = _view(xf, spec)
+    if in_place and (v.base is not x or p.scale.rule != 0):
+        return None  # in place: unscaled specs (each element read once, before it is written), x itself the base
+    y = x if in_place else torch.empty_like(v.base)
     calls = _split(v, y, p, k1, k2, off)
     if calls is None or not all(_parallel.run(lib.lp_group_fake, [c.args for c in calls])):
         return None
     out = y.t() if v.transposed else y.view(x.shape)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def round_in_place(x: torch.Tensor, fmt: FormatSpec, rounding: str, seed: int = 0, offset: int = 0) -> bool:
+    """``x.copy_(quantize(x, fmt, rounding=rounding, seed=seed, offset=offset))`` without the new tensor and the
+    copy (the optimizer's weight updates): True when done, False (``x`` unchanged) where the kernel does not apply
+    (``x`` not a contiguous float32 CPU tensor outside autograd, a format no spec takes, no kernel built).  Unscaled
+    specs only, whose kernel reads each element once before writing it and never declines (special values follow
+    the format's rules in the loop).  ``quantize``'s seed and offset give the same random words."""
+    spec = elementwise_spec(fmt, rounding, False)
+    if spec is None or x.dtype != torch.float32 or not x.is_contiguous():
+        return False
+    k1 = k2 = 0
+    if rounding == "stochastic":
+        k1, k2 = seed_keys(seed)
+    return _fake(x, spec, k1, k2, offset & 0xFFFFFFFF, in_place=True) is not None
 
 
 class _Call(NamedTuple):
