@@ -1,14 +1,16 @@
 """Run under torchrun (2 ranks = 2 pipeline stages, gloo): lowprec.distributed.Pipeline against one process.
 
-argv: output directory, JSON list of cases ``[model, recipe, schedule]`` (schedule "accum" / "whole": the
-one-process baselines, run on every rank: gradient accumulation over the same microbatches, and the whole batch in
-one forward).  Writes ``rank<r>.json`` with, per case: per-step losses (float.hex), and for every parameter and
-buffer (``lp_step``, amax histories) the rank's stage holds (all of them for a baseline), a sha256 digest by its
-name in the whole model; parameters also as float lists for the tolerance tests.
+argv: output directory, JSON list of cases ``[model, recipe, schedule]``: schedule "gpipe" / "1f1b", or the
+one-process baselines "accum" (gradient accumulation over the same microbatches) and "whole" (the whole batch in one
+forward), run on every rank; controls "1f1b-dynamic" (torch's dynamic stage metadata) and "1f1b-noindex" (the
+stage optimizer without ``param_index``).  Writes ``rank<r>.json`` with, per case: per-step losses (float.hex),
+and for every parameter and buffer (``lp_step``, amax histories) the rank's stage holds (all of them for a
+baseline) a sha256 digest by its name in the whole model; parameters and amax histories also as lists.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -17,10 +19,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import lowprec
+from lowprec import recipes
 from lowprec.distributed import Pipeline, accumulate_step
 from lowprec.optim import LowPrecisionOptimizer
+from lowprec.recipes import Recipe
 from lowprec.runs.zoo import get_task
 
 STEPS = 3
@@ -44,11 +49,22 @@ def state(model: torch.nn.Module, modules: list[torch.nn.Module]) -> dict[str, o
     bufs = {n: b for n, b in model.named_buffers() if id(b) in mine}
     return {"params": {n: digest(p) for n, p in params.items()}, "buffers": {n: digest(b) for n, b in bufs.items()},
             "values": {n: p.detach().flatten().tolist() for n, p in params.items()},
+            "amax": {n: b.tolist() for n, b in bufs.items() if ".amax_history_" in n},
             "lp_step": {n: int(b) for n, b in bufs.items() if n.endswith("lp_step")}}
 
 
-def run_case(model_key: str, recipe: str, schedule: str) -> dict[str, object]:
+def named_recipe(name: str) -> Recipe:
+    """A named recipe, or "fp16-overflow": fp16 with a dynamic loss scale started at 2^30 (which overflows)."""
+    if name != "fp16-overflow":
+        return recipes.get(name)
+    base = recipes.get("fp16-dynamic-loss-scale")
+    return dataclasses.replace(base, name=name, loss_scaling=dataclasses.replace(base.loss_scaling,
+                                                                                 init_scale=2.0**19))
+
+
+def run_case(model_key: str, recipe_name: str, schedule: str) -> dict[str, object]:
     task_name, options, split = MODELS[model_key]
+    recipe = named_recipe(recipe_name)
     task = get_task(task_name, seed=0, batch_size=BATCH, **options)
     model = task.model
     lowprec.convert(model, recipe)  # before splitting: lowprec_name is the path in the whole model
@@ -59,24 +75,36 @@ def run_case(model_key: str, recipe: str, schedule: str) -> dict[str, object]:
         for step in range(STEPS):
             x, y = task.train_batch(step)
             if schedule == "accum":
-                loss = accumulate_step(model, x, y, task.loss_fn, microbatches=MICROBATCHES)
+                loss = accumulate_step(model, x, y, task.loss_fn, microbatches=MICROBATCHES,
+                                       loss_scale=opt.scaler.scale)
             else:
                 loss = task.loss_fn(model(x), y)
-                loss.backward()
+                opt.scale_loss(loss).backward()
             opt.step()
             opt.zero_grad()
             losses.append(float(loss.detach()))
-        return {"losses": [float.hex(v) for v in losses], **state(model, [model])}
-    pipe = Pipeline(model, loss_fn=task.loss_fn, microbatches=MICROBATCHES, schedule=schedule, **split)
-    opt = LowPrecisionOptimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2), recipe, param_index=pipe.param_index)
+        return {"losses": [float.hex(v) for v in losses], "skipped": opt.scaler.skipped_steps,
+                **state(model, [model])}
+    kind, _, variant = schedule.partition("-")
+    pipe = Pipeline(model, loss_fn=task.loss_fn, microbatches=MICROBATCHES, schedule=kind, **split)
+    if variant == "dynamic":  # control: torch's dynamic metadata inference instead of Pipeline's static metadata
+        stage = PipelineStage(pipe.module, pipe.stage_index, pipe.n_stages, pipe.device)
+        pipe._schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=task.loss_fn)
+    index = None if variant == "noindex" else pipe.param_index  # control: the stage's own parameter indices
+    opt = LowPrecisionOptimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2), recipe, param_index=index)
+    local_finite = []
     for step in range(STEPS):
         x, y = task.train_batch(step)
-        loss = pipe.step(x, y)
-        opt.step()
+        loss = pipe.step(x, y, loss_scale=opt.scaler.scale)
+        local_finite.append(all(bool(torch.isfinite(p.grad).all()) for p in pipe.parameters() if p.grad is not None))
+        if pipe.grads_finite():
+            opt.step()
+        else:  # some stage overflowed: every stage skips, as one process would
+            opt.scaler.update(False)
         opt.zero_grad()
         losses.append(float(loss))
     return {"losses": [float.hex(v) for v in losses], "pieces": pipe.module.piece_names,
-            **state(model, [pipe.module])}
+            "skipped": opt.scaler.skipped_steps, "local_finite": local_finite, **state(model, [pipe.module])}
 
 
 def main() -> None:
