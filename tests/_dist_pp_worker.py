@@ -5,7 +5,7 @@ one-process baselines "accum" (gradient accumulation over the same microbatches)
 forward), run on every rank; controls "1f1b-dynamic" (torch's dynamic stage metadata) and "1f1b-noindex" (the
 stage optimizer without ``param_index``).  Writes ``rank<r>.json`` with, per case: per-step losses (float.hex),
 and for every parameter and buffer (``lp_step``, amax histories) the rank's stage holds (all of them for a
-baseline) a sha256 digest by its name in the whole model; parameters and amax histories also as lists.
+baseline) a sha256 digest by its name in the whole model; amax histories also as lists.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import dataclasses
 import gc
 import hashlib
 import json
+import re
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,12 +45,11 @@ def digest(t: torch.Tensor) -> str:
 
 
 def state(model: torch.nn.Module, modules: list[torch.nn.Module]) -> dict[str, object]:
-    """Digests of the parameters and buffers of ``modules`` (by their names in ``model``), parameters as lists."""
+    """Digests of the parameters and buffers of ``modules`` (by their names in ``model``), amax histories."""
     mine = {id(t) for m in modules for t in [*m.parameters(), *m.buffers()]}
     params = {n: p for n, p in model.named_parameters() if id(p) in mine}
     bufs = {n: b for n, b in model.named_buffers() if id(b) in mine}
     return {"params": {n: digest(p) for n, p in params.items()}, "buffers": {n: digest(b) for n, b in bufs.items()},
-            "values": {n: p.detach().flatten().tolist() for n, p in params.items()},
             "amax": {n: b.tolist() for n, b in bufs.items() if ".amax_history_" in n},
             "lp_step": {n: int(b) for n, b in bufs.items() if n.endswith("lp_step")}}
 
@@ -107,8 +108,25 @@ def run_case(model_key: str, recipe_name: str, schedule: str) -> dict[str, objec
             "skipped": opt.scaler.skipped_steps, "local_finite": local_finite, **state(model, [pipe.module])}
 
 
+def doc_example() -> dict[str, object]:
+    """The Python example of docs/distributed.md's "Pipeline parallelism" section, run as is (it initialises the
+    process group): the loss it ends with, and the untrained model's loss on the first batch (one process)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text.split("## Pipeline parallelism", 1)[1], flags=re.S)
+    scope: dict[str, object] = {}
+    t0 = time.perf_counter()
+    exec(compile(block, "docs/distributed.md", "exec"), scope)
+    seconds = time.perf_counter() - t0
+    fresh = get_task("gpt-bytes", seed=0, batch_size=16, layers=2, d_model=32, heads=2, context=16)
+    x, y = fresh.train_batch(0)
+    with torch.no_grad():
+        initial = float(fresh.loss_fn(fresh.model(x), y))
+    return {"final_loss": float(scope["loss"]), "initial_loss": initial,  # type: ignore[arg-type]
+            "seconds": round(seconds, 3)}
+
+
 def main() -> None:
-    dist.init_process_group("gloo")
+    doc = doc_example()
     rank = dist.get_rank()
     results = []
     for model_key, recipe, schedule in json.loads(sys.argv[2]):
@@ -117,7 +135,7 @@ def main() -> None:
         results.append({"model": model_key, "recipe": recipe, "schedule": schedule, **out,
                         "seconds": round(time.perf_counter() - t0, 3)})
     with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:  # one file per rank: no interleaved lines
-        json.dump({"rank": rank, "cases": results}, f)
+        json.dump({"rank": rank, "cases": results, "doc": doc}, f)
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
