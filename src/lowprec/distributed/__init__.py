@@ -12,6 +12,10 @@
 * ``Pipeline(model, loss_fn=..., microbatches=M, schedule="gpipe" | "1f1b")``: pipeline parallelism on
   ``torch.distributed.pipelining``, stage r of ``split_stages(model, ...)`` on rank r, emulated numerics equal to
   one process accumulating gradients over the same microbatches (``accumulate_step``).
+* ``tensor_parallel(model, mesh, sequence_parallel=...)``: Megatron tensor (and sequence) parallelism with
+  ``parallelize_module`` styles for ``EmulatedLinear`` (``EmulatedColwiseParallel``, ``EmulatedRowwiseParallel``;
+  plans ``gpt_plan``, ``llama_plan``): DTensor parameters, local emulated GEMMs, scales and stochastic-rounding
+  draws as one process computes them.
 
 Runs launched with ``lowprec run`` (``parallel.strategy = "ddp" | "fsdp2"``) use these for you.
 """
@@ -36,19 +40,35 @@ from ._simulate import ReductionResult as ReductionResult
 from ._simulate import gaussian_gradients as gaussian_gradients
 from ._simulate import predicted_rel_l2 as predicted_rel_l2
 from ._simulate import simulate_reduction as simulate_reduction
+from ._tensor_parallel import EmulatedColwiseParallel as EmulatedColwiseParallel
+from ._tensor_parallel import EmulatedRowwiseParallel as EmulatedRowwiseParallel
+from ._tensor_parallel import SequenceBoundary as SequenceBoundary
+from ._tensor_parallel import SequenceParallelNorm as SequenceParallelNorm
+from ._tensor_parallel import check_tp_linear as check_tp_linear
+from ._tensor_parallel import gpt_plan as gpt_plan
+from ._tensor_parallel import llama_plan as llama_plan
+from ._tensor_parallel import tensor_parallel as tensor_parallel
+from ._tensor_parallel import tp_stats as tp_stats
 
 __all__ = [
     "CompressState",
+    "EmulatedColwiseParallel",
+    "EmulatedRowwiseParallel",
     "Pipeline",
     "ReductionResult",
+    "SequenceBoundary",
+    "SequenceParallelNorm",
     "StageModule",
     "allgather_bytes",
     "allgather_stats",
+    "check_tp_linear",
     "accumulate_step",
     "amax_histories",
     "compress_allreduce_hook",
     "compress_hook",
     "gaussian_gradients",
+    "gpt_plan",
+    "llama_plan",
     "mixed_precision_policy",
     "pipeline_pieces",
     "predicted_rel_l2",
@@ -58,4 +78,6 @@ __all__ = [
     "split_microbatches",
     "split_stages",
     "sync_amax_histories",
+    "tensor_parallel",
+    "tp_stats",
 ]

@@ -73,10 +73,11 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)  # 3x[B,H,T,d/H]
+        qkv = self.qkv(x)  # [B,T,3d]; under tensor parallelism [B,T,3d/TP] (whole heads) and T the whole sequence
+        b, t = qkv.shape[:2]
+        q, k, v = qkv.view(b, t, 3, -1, x.shape[-1] // self.heads).permute(2, 0, 3, 1, 4)  # 3x[B,H,T,d/H]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B,H,T,d/H]
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

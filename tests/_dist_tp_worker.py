@@ -1,0 +1,135 @@
+"""Run under torchrun (2 ranks, gloo): tensor (and sequence) parallelism against one process, on every rank.
+
+Every rank also computes the single-process reference itself (same seeds, no collectives), so the comparison
+needs no extra launch.  Writes ``rank<r>.json`` into the output directory with, per case:
+
+* ``layer``: one colwise and one rowwise ``EmulatedLinear`` (with bias), forward and backward on fixed tensors:
+  for each result, whether this rank's slice equals the single-process slice bit for bit, and the max abs
+  difference (where the arithmetic differs: sums over a sharded reduction dimension);
+* ``gpt``: the zoo's TinyGPT trained for ``STEPS`` AdamW steps with TP=2 (``sp``: with sequence parallelism) and
+  in one process: per-step losses (float.hex), the largest relative parameter difference after the last step,
+  and the bytes the TP collectives sent.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import lowprec
+from lowprec.distributed import EmulatedColwiseParallel, EmulatedRowwiseParallel, tensor_parallel, tp_stats
+from lowprec.distributed._fsdp import sync_amax_histories
+from lowprec.runs.zoo import get_task
+from lowprec.runs.zoo._text import lm_loss
+
+STEPS = 3
+GPT = {"layers": 2, "d_model": 64, "heads": 4, "context": 16, "batch_size": 4}
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+def _cmp(local: torch.Tensor, ref: torch.Tensor) -> dict[str, object]:
+    local, ref = local.detach(), ref.detach()
+    d = (local.to(torch.float32) - ref.to(torch.float32)).abs()
+    return {"bitwise": bool(torch.equal(local, ref)), "max_abs": float(d.max()) if d.numel() else 0.0,
+            "ref_max": float(ref.abs().max())}
+
+
+def layer_case(recipe: str, mesh: object, rank: int) -> dict[str, object]:
+    """A colwise and a rowwise layer on fixed tensors against one process (module docstring)."""
+    out: dict[str, object] = {}
+    for kind in ("colwise", "rowwise"):
+        torch.manual_seed(7)
+        k, n = 64, 128
+        ref = lowprec.convert(torch.nn.Sequential(torch.nn.Linear(k, n)), recipe)[0]
+        tp = lowprec.convert(torch.nn.Sequential(torch.nn.Linear(k, n)), recipe)[0]
+        tp.load_state_dict(ref.state_dict())
+        style = EmulatedColwiseParallel() if kind == "colwise" else EmulatedRowwiseParallel()
+        torch.distributed.tensor.parallel.parallelize_module(tp, mesh, style)
+        g = torch.Generator().manual_seed(11)
+        x = torch.randn(3, 8, k, generator=g)
+        dy = torch.randn(3, 8, n, generator=g) * 1e-2
+        xr = x.clone().requires_grad_(True)
+        y_ref = ref(xr)
+        y_ref.backward(dy)
+        cols = slice(rank * k // 2, (rank + 1) * k // 2)
+        rows = slice(rank * n // 2, (rank + 1) * n // 2)
+        if kind == "colwise":
+            xt = x.clone().requires_grad_(True)
+            y = tp(xt)
+            y.backward(dy[..., rows])
+            out[kind] = {"y": _cmp(y, y_ref[..., rows]), "dx": _cmp(xt.grad, xr.grad),
+                         "dw": _cmp(tp.weight.grad.to_local(), ref.weight.grad[rows]),
+                         "db": _cmp(tp.bias.grad.to_local(), ref.bias.grad[rows])}
+        else:
+            xt = x[..., cols].clone().requires_grad_(True)
+            y = tp(xt)
+            y.backward(dy)
+            out[kind] = {"y": _cmp(y, y_ref), "dx": _cmp(xt.grad, xr.grad[..., cols]),
+                         "dw": _cmp(tp.weight.grad.to_local(), ref.weight.grad[:, cols]),
+                         "db": _cmp(tp.bias.grad.to_local(), ref.bias.grad)}
+    return out
+
+
+def _train(model: torch.nn.Module, task: object, group: object | None) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+    losses = []
+    for step in range(STEPS):
+        idx, tgt = task.train_batch(step)  # type: ignore[attr-defined]
+        loss = lm_loss(model(idx), tgt)
+        opt.zero_grad()
+        loss.backward()
+        if group is not None:
+            sync_amax_histories(model, group)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def gpt_case(recipe: str, sp: bool, mesh: object) -> dict[str, object]:
+    task = get_task("gpt-bytes", seed=0, **GPT)
+    ref = lowprec.convert(task.model, recipe)
+    tp_model = lowprec.convert(get_task("gpt-bytes", seed=0, **GPT).model, recipe)
+    tp_model.load_state_dict(ref.state_dict())
+    tensor_parallel(tp_model, mesh, sequence_parallel=sp)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    ref_losses = _train(ref, task, None)
+    t1 = time.perf_counter()
+    tp_losses = _train(tp_model, task, mesh.get_group())  # type: ignore[attr-defined]
+    t2 = time.perf_counter()
+    ref_p = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in tp_model.named_parameters():
+        full, r = _full(p), ref_p[name].detach()
+        worst = max(worst, float((full - r).abs().max() / r.abs().max().clamp_min(1e-30)))
+    return {"ref_losses": [v.hex() for v in ref_losses], "tp_losses": [v.hex() for v in tp_losses],
+            "param_rel": worst, "stats": tp_stats(tp_model), "seconds": [t1 - t0, t2 - t1]}
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    cases = json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    results = []
+    for recipe, kind in cases:
+        if kind == "layer":
+            results.append({"recipe": recipe, "kind": kind, **layer_case(recipe, mesh, rank)})
+        else:
+            results.append({"recipe": recipe, "kind": kind, **gpt_case(recipe, kind == "gpt_sp", mesh)})
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cases": results}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
