@@ -7,8 +7,9 @@ needs no extra launch.  Writes ``rank<r>.json`` into the output directory with, 
   for each result, whether this rank's slice equals the single-process slice bit for bit, and the max abs
   difference (where the arithmetic differs: sums over a sharded reduction dimension);
 * ``gpt``: the zoo's TinyGPT trained for ``STEPS`` AdamW steps with TP=2 (``sp``: with sequence parallelism) and
-  in one process: per-step losses (float.hex), the largest relative parameter difference after the last step,
-  and the bytes the TP collectives sent.
+  in one process: whether the gathered parameters start equal, per-step losses (float.hex), the largest parameter
+  difference after the last step in units of the learning rate, and the bytes the TP collectives sent;
+* ``wire``: a colwise layer whose input-gradient partial sums are sent as float32, bf16 and fp8 (``GradComm``).
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ from torch.distributed.device_mesh import init_device_mesh
 import lowprec
 from lowprec.distributed import EmulatedColwiseParallel, EmulatedRowwiseParallel, tensor_parallel, tp_stats
 from lowprec.distributed._fsdp import sync_amax_histories
+from lowprec.quant import QuantSpec
+from lowprec.recipes import GradComm
 from lowprec.runs.zoo import get_task
 from lowprec.runs.zoo._text import lm_loss
 
 STEPS = 3
+LR = 3e-3
 GPT = {"layers": 2, "d_model": 64, "heads": 4, "context": 16, "batch_size": 4}
 
 
@@ -79,8 +83,34 @@ def layer_case(recipe: str, mesh: object, rank: int) -> dict[str, object]:
     return out
 
 
+WIRES = {"bf16": QuantSpec(elem="bfloat16", scaling="none", saturate=False),
+         "fp8_e5m2": QuantSpec.named("fp8_e5m2_tensorwise")}
+
+
+def wire_case(recipe: str, mesh: object) -> dict[str, object]:
+    """A colwise layer whose input-gradient partial sums travel in each ``WIRES`` format (``GradComm``) and in
+    float32: dx against one process, and the bytes sent."""
+    out: dict[str, object] = {}
+    for wname, spec in [("float32", None), *WIRES.items()]:
+        torch.manual_seed(7)
+        ref = lowprec.convert(torch.nn.Sequential(torch.nn.Linear(64, 128)), recipe)[0]
+        tp = lowprec.convert(torch.nn.Sequential(torch.nn.Linear(64, 128)), recipe)[0]
+        tp.load_state_dict(ref.state_dict())
+        comm = None if spec is None else GradComm(spec=spec)
+        torch.distributed.tensor.parallel.parallelize_module(tp, mesh, EmulatedColwiseParallel(grad_comm=comm))
+        g = torch.Generator().manual_seed(11)
+        x = torch.randn(3, 8, 64, generator=g)
+        dy = torch.randn(3, 8, 128, generator=g) * 1e-2
+        xr, xt = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ref(xr).backward(dy)
+        rank = dist.get_rank()
+        tp(xt).backward(dy[..., rank * 64:(rank + 1) * 64])
+        out[wname] = {"dx": _cmp(xt.grad, xr.grad), "stats": tp.lowprec_tp.stats.as_dict()}
+    return out
+
+
 def _train(model: torch.nn.Module, task: object, group: object | None) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     losses = []
     for step in range(STEPS):
         idx, tgt = task.train_batch(step)  # type: ignore[attr-defined]
@@ -100,18 +130,17 @@ def gpt_case(recipe: str, sp: bool, mesh: object) -> dict[str, object]:
     tp_model = lowprec.convert(get_task("gpt-bytes", seed=0, **GPT).model, recipe)
     tp_model.load_state_dict(ref.state_dict())
     tensor_parallel(tp_model, mesh, sequence_parallel=sp)  # type: ignore[arg-type]
+    ref_p = dict(ref.named_parameters())
+    init_equal = all(torch.equal(_full(p), ref_p[n].detach()) for n, p in tp_model.named_parameters())
     t0 = time.perf_counter()
     ref_losses = _train(ref, task, None)
     t1 = time.perf_counter()
     tp_losses = _train(tp_model, task, mesh.get_group())  # type: ignore[attr-defined]
     t2 = time.perf_counter()
-    ref_p = dict(ref.named_parameters())
-    worst = 0.0
-    for name, p in tp_model.named_parameters():
-        full, r = _full(p), ref_p[name].detach()
-        worst = max(worst, float((full - r).abs().max() / r.abs().max().clamp_min(1e-30)))
+    worst = max(float((_full(p) - ref_p[n].detach()).abs().max()) for n, p in tp_model.named_parameters())
     return {"ref_losses": [v.hex() for v in ref_losses], "tp_losses": [v.hex() for v in tp_losses],
-            "param_rel": worst, "stats": tp_stats(tp_model), "seconds": [t1 - t0, t2 - t1]}
+            "init_equal": init_equal, "param_lr_units": worst / LR, "stats": tp_stats(tp_model),
+            "seconds": [t1 - t0, t2 - t1]}
 
 
 def main() -> None:
@@ -123,7 +152,9 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = []
     for recipe, kind in cases:
-        if kind == "layer":
+        if kind == "wire":
+            results.append({"recipe": recipe, "kind": kind, **wire_case(recipe, mesh)})
+        elif kind == "layer":
             results.append({"recipe": recipe, "kind": kind, **layer_case(recipe, mesh, rank)})
         else:
             results.append({"recipe": recipe, "kind": kind, **gpt_case(recipe, kind == "gpt_sp", mesh)})
