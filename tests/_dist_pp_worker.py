@@ -2,10 +2,12 @@
 
 argv: output directory, JSON list of cases ``[model, recipe, schedule]``: schedule "gpipe" / "1f1b", or the
 one-process baselines "accum" (gradient accumulation over the same microbatches) and "whole" (the whole batch in one
-forward), run on every rank; controls "1f1b-dynamic" (torch's dynamic stage metadata) and "1f1b-noindex" (the
-stage optimizer without ``param_index``).  Writes ``rank<r>.json`` with, per case: per-step losses (float.hex),
-and for every parameter and buffer (``lp_step``, amax histories) the rank's stage holds (all of them for a
-baseline) a sha256 digest by its name in the whole model; amax histories also as lists.
+forward), run on every rank; "-clip" appended: global gradient-norm clipping; controls "1f1b-dynamic" (torch's
+dynamic stage metadata) and "1f1b-noindex" (the stage optimizer without ``param_index``).  After training, a
+pipeline case syncs the whole model to every rank (``sync_model``) and digests it.  Writes ``rank<r>.json`` with,
+per case: per-step losses (float.hex), and for every parameter and buffer (``lp_step``, amax histories) the rank's
+stage holds (all of them for a baseline) a sha256 digest by its name in the whole model; amax histories also as
+lists.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from lowprec import recipes
 from lowprec.distributed import Pipeline, accumulate_step
 from lowprec.optim import LowPrecisionOptimizer
 from lowprec.recipes import Recipe
+from lowprec.runs._runner import _grad_norm_and_clip
 from lowprec.runs.zoo import get_task
 
 STEPS = 3
 MICROBATCHES = 4
 BATCH = 16
+CLIP = 0.1  # "-clip" cases: global gradient norm clipped to this (the runner's _grad_norm_and_clip in one process)
+EVALUATE = {("gpt", "fp8-delayed"), ("mlp", "mxfp4")}  # cases that also report the task's evaluation
 MODELS = {
     "gpt": ("gpt-bytes", {"layers": 2, "d_model": 32, "heads": 2, "context": 16}, {"split_points": ["blocks.1"]}),
     "mlp": ("mlp-digits", {"hidden": 32, "layers": 2},
@@ -71,33 +76,41 @@ def run_case(model_key: str, recipe_name: str, schedule: str) -> dict[str, objec
     lowprec.convert(model, recipe)  # before splitting: lowprec_name is the path in the whole model
     model.train()
     losses = []
-    if schedule in ("accum", "whole"):
-        opt = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), recipe)
+    kind, _, variant = schedule.partition("-")
+    evaluation = {"eval": task.evaluate} if (model_key, recipe_name) in EVALUATE else {}
+    if kind in ("accum", "whole"):
+        params = list(model.parameters())
+        opt = LowPrecisionOptimizer(torch.optim.AdamW(params, lr=1e-2), recipe)
+        norms = []
         for step in range(STEPS):
             x, y = task.train_batch(step)
-            if schedule == "accum":
+            if kind == "accum":
                 loss = accumulate_step(model, x, y, task.loss_fn, microbatches=MICROBATCHES,
                                        loss_scale=opt.scaler.scale)
             else:
                 loss = task.loss_fn(model(x), y)
                 opt.scale_loss(loss).backward()
+            if variant == "clip":
+                norms.append(_grad_norm_and_clip(params, opt.scaler.scale, CLIP))
             opt.step()
             opt.zero_grad()
             losses.append(float(loss.detach()))
         return {"losses": [float.hex(v) for v in losses], "skipped": opt.scaler.skipped_steps,
-                **state(model, [model])}
-    kind, _, variant = schedule.partition("-")
+                "norms": [float.hex(v) for v in norms], **state(model, [model]),
+                **{k: f(model) for k, f in evaluation.items()}}
     pipe = Pipeline(model, loss_fn=task.loss_fn, microbatches=MICROBATCHES, schedule=kind, **split)
     if variant == "dynamic":  # control: torch's dynamic metadata inference instead of Pipeline's static metadata
         stage = PipelineStage(pipe.module, pipe.stage_index, pipe.n_stages, pipe.device)
         pipe._schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=task.loss_fn)
     index = None if variant == "noindex" else pipe.param_index  # control: the stage's own parameter indices
     opt = LowPrecisionOptimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2), recipe, param_index=index)
-    local_finite = []
+    local_finite, norms = [], []
     for step in range(STEPS):
         x, y = task.train_batch(step)
         loss = pipe.step(x, y, loss_scale=opt.scaler.scale)
         local_finite.append(all(bool(torch.isfinite(p.grad).all()) for p in pipe.parameters() if p.grad is not None))
+        if variant == "clip":
+            norms.append(pipe.clip_grad_norm_(CLIP, loss_scale=opt.scaler.scale))
         if pipe.grads_finite():
             opt.step()
         else:  # some stage overflowed: every stage skips, as one process would
@@ -105,12 +118,22 @@ def run_case(model_key: str, recipe_name: str, schedule: str) -> dict[str, objec
         opt.zero_grad()
         losses.append(float(loss))
     return {"losses": [float.hex(v) for v in losses], "pieces": pipe.module.piece_names,
-            "skipped": opt.scaler.skipped_steps, "local_finite": local_finite, **state(model, [pipe.module])}
+            "skipped": opt.scaler.skipped_steps, "local_finite": local_finite, "norms": [float.hex(v) for v in norms],
+            **state(model, [pipe.module]), "synced": sync_and_digest(pipe, model),
+            **{k: f(model) for k, f in evaluation.items()}}
+
+
+def sync_and_digest(pipe: Pipeline, model: torch.nn.Module) -> dict[str, object]:
+    """``sync_model``, then digests of the whole model on this rank (every stage's parameters and buffers)."""
+    pipe.sync_model()
+    full = state(model, [model])
+    return {"params": full["params"], "buffers": full["buffers"]}
 
 
 def doc_example() -> dict[str, object]:
     """The Python example of docs/distributed.md's "Pipeline parallelism" section, run as is (it initialises the
-    process group): the loss it ends with, and the untrained model's loss on the first batch (one process)."""
+    process group): the loss and validation metrics it ends with, and the untrained model's loss on the first batch
+    (one process)."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
     (block,) = re.findall(r"```python\n(.*?)```", text.split("## Pipeline parallelism", 1)[1], flags=re.S)
     scope: dict[str, object] = {}
@@ -122,7 +145,7 @@ def doc_example() -> dict[str, object]:
     with torch.no_grad():
         initial = float(fresh.loss_fn(fresh.model(x), y))
     return {"final_loss": float(scope["loss"]), "initial_loss": initial,  # type: ignore[arg-type]
-            "seconds": round(seconds, 3)}
+            "metrics": scope["metrics"], "seconds": round(seconds, 3)}
 
 
 def main() -> None:

@@ -30,6 +30,9 @@ RECIPES = ("fp32", "bf16", "fp8-tensorwise", "mxfp8", "bf16-sr", "fp8-delayed", 
 SCHEDULES = ("gpipe", "1f1b")
 CASES = [[m, r, s] for m in MODELS for r in RECIPES for s in ("accum", "whole", *SCHEDULES)]
 CASES += [["mlp", "mxfp4", "1f1b-dynamic"], ["mlp", "fp8-delayed", "1f1b-dynamic"], ["gpt", "bf16-sr", "1f1b-noindex"]]
+CLIP = 0.1  # as in the worker
+CLIPPED = [("gpt", "fp8-tensorwise", "1f1b"), ("mlp", "bf16-sr", "gpipe")]  # global-norm clipping at CLIP
+CASES += [[m, r, s] for m, r, sched in CLIPPED for s in ("accum-clip", f"{sched}-clip")]
 OVERFLOW = [("mlp", "1f1b"), ("gpt", "gpipe")]  # fp16 with a dynamic loss scale from 2^19: some steps overflow
 CASES += [[m, "fp16-overflow", s] for m, sched in OVERFLOW for s in ("accum", sched)]
 # Relative loss difference, pipeline (= accumulation over 4 microbatches) vs one process on the whole batch, max over
@@ -161,11 +164,41 @@ def test_loss_scaling_skips_a_step_on_every_stage(dist_run: dict, model: str, sc
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model, recipe, schedule", CLIPPED)
+def test_global_norm_clipping_equals_one_process(dist_run: dict, model: str, recipe: str, schedule: str) -> None:
+    """``clip_grad_norm_`` across the stages against the runner's own clipping in one process (oracle:
+    runs._runner._grad_norm_and_clip after accumulation): the norms, losses and parameters bit for bit, and the
+    norm is above the bound, so the clipping acted."""
+    for rank in (0, 1):
+        pp, ref = dist_run[rank][(model, recipe, f"{schedule}-clip")], dist_run[rank][(model, recipe, "accum-clip")]
+        assert pp["norms"] == ref["norms"] and pp["losses"] == ref["losses"]
+        assert all(ref["params"][n] == d for n, d in pp["params"].items())
+        assert all(float.fromhex(v) > CLIP for v in pp["norms"])
+        assert pp["losses"] != dist_run[rank][(model, recipe, "accum")]["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("model", MODELS)
+def test_sync_model_makes_the_whole_model_current_on_every_rank(dist_run: dict, model: str, schedule: str) -> None:
+    """After ``sync_model`` each rank's whole model (every parameter and buffer) is accumulation's, bit for bit; the
+    task's evaluation of it too (fp8-delayed GPT, mxfp4 MLP: their amax histories and lp_step come along)."""
+    for recipe in RECIPES:
+        for rank in (0, 1):
+            synced, ref = dist_run[rank][(model, recipe, schedule)]["synced"], dist_run[rank][(model, recipe, "accum")]
+            assert synced["params"] == ref["params"] and synced["buffers"] == ref["buffers"], (recipe, rank)
+    recipe = "fp8-delayed" if model == "gpt" else "mxfp4"
+    for rank in (0, 1):
+        assert dist_run[rank][(model, recipe, schedule)]["eval"] == dist_run[rank][(model, recipe, "accum")]["eval"]
+
+
+@pytest.mark.slow
 def test_docs_example_trains(dist_run: dict) -> None:
-    """docs/distributed.md's example, run as is (100 steps of the GPT on 2 stages): the same final loss on both
-    ranks, well below the untrained loss (measured 3.18 from 5.56)."""
+    """docs/distributed.md's example, run as is (100 steps of the GPT on 2 stages): the same final loss and
+    validation metrics on both ranks (after sync_model), the loss well below the untrained one."""
     a, b = dist_run["doc"][0], dist_run["doc"][1]
     assert a["final_loss"] == b["final_loss"] < 0.8 * a["initial_loss"], (a, b)
+    assert a["metrics"] == b["metrics"] and a["metrics"]["loss"] < 0.8 * a["initial_loss"], (a, b)
 
 
 # ------------------------------------------------------------------------------------- without torchrun

@@ -41,6 +41,7 @@ Static stage metadata.  torch's dynamic shape inference runs one extra forward a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -128,6 +129,7 @@ class Pipeline:
         index = {id(p): i for i, p in enumerate(trainable)}
         self.param_index = [index[id(p)] for p in self.parameters()]
         """Index of each of ``parameters()`` in ``[p for p in model.parameters() if p.requires_grad]``."""
+        self._n_params = len(trainable)
         self._schedule: object | None = None
         self._loss_scale = 1.0
 
@@ -191,8 +193,7 @@ class Pipeline:
         kwargs = {"target": targets.to(self.device), "losses": losses} if self.is_last else {}
         self._schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
         loss = _mean_loss(losses, self._loss_scale) if self.is_last else torch.zeros((), dtype=torch.float32)
-        src = self.n_stages - 1 if self.group is None else dist.get_global_rank(self.group, self.n_stages - 1)
-        dist.broadcast(loss, src=src, group=self.group)
+        dist.broadcast(loss, src=self._src(self.n_stages - 1), group=self.group)
         return loss
 
     def grads_finite(self) -> bool:
@@ -202,3 +203,42 @@ class Pipeline:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
+
+    def _src(self, stage: int) -> int:
+        return stage if self.group is None else dist.get_global_rank(self.group, stage)
+
+    def clip_grad_norm_(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
+        """The global L2 norm of every stage's gradients, divided by ``loss_scale``; gradients scaled down to
+        ``max_norm`` where it is exceeded (0: no clipping).  As one process computes it: the norm of the vector of
+        per-parameter norms in the whole model's parameter order (each stage fills its entries, a SUM all-reduce
+        adds exact zeros elsewhere), so the norm and the clipped gradients are bitwise those of one process."""
+        norms = torch.zeros(self._n_params, dtype=torch.float32)
+        has = torch.zeros(self._n_params, dtype=torch.int32)
+        grads = []
+        for i, p in zip(self.param_index, self.parameters(), strict=True):
+            if p.grad is not None:
+                norms[i], has[i] = torch.linalg.vector_norm(p.grad).to(torch.float32), 1
+                grads.append(p.grad)
+        dist.all_reduce(norms, group=self.group)
+        dist.all_reduce(has, group=self.group)
+        if not bool(has.any()):
+            return 0.0
+        norm = float(torch.linalg.vector_norm(norms[has.bool()])) / loss_scale
+        if max_norm and math.isfinite(norm) and norm > max_norm:
+            coef = max_norm / norm
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def sync_model(self) -> None:
+        """Broadcast every stage's parameters and buffers (``lp_step``, amax histories) from the rank that trains
+        it, so the whole model object is current on every rank: for evaluation or a full checkpoint, with the
+        numerics of one process.  Collective: every rank of the group calls it."""
+        with torch.no_grad():
+            for s, stage in enumerate(self._stages):
+                seen: set[int] = set()
+                for t in [*stage.parameters(), *stage.buffers()]:
+                    if id(t) not in seen:
+                        seen.add(id(t))
+                        dist.broadcast(t.data, src=self._src(s), group=self.group)
+
