@@ -239,7 +239,22 @@ def test_stages_hold_the_models_modules() -> None:
     assert s1.pieces[0] is gpt.blocks[1]
     assert s1.pieces[0].attn.qkv.lowprec_name == "blocks.1.attn.qkv"  # names of the whole model
     assert {id(p) for p in [*s0.parameters(), *s1.parameters()]} == {id(p) for p in gpt.parameters()}
-    assert [len(s.piece_names) for s in split_stages(gpt, n_stages=2)] == [3, 2]  # even runs, first takes more
+
+
+
+def test_default_split_balances_parameter_counts() -> None:
+    """Oracle: every way of cutting the chain, enumerated; the default cut has the smallest largest stage."""
+    import itertools
+
+    gpt = _gpt(layers=4)  # 7 pieces: embed, 4 blocks, ln_f, lm_head
+    weights = [sum(p.numel() for p in s.parameters()) for s in split_stages(gpt, n_stages=7)]  # one per stage
+    for n in (2, 3, 4):
+        got = max(sum(p.numel() for p in s.parameters()) for s in split_stages(gpt, n_stages=n))
+        best = min(max(sum(weights[a:b]) for a, b in itertools.pairwise((0, *cuts, 7)))
+                   for cuts in itertools.combinations(range(1, 7), n - 1))
+        assert got == best, n
+    assert [s.piece_names for s in split_stages(_gpt(), n_stages=2)] == [["embed", "blocks.0"],
+                                                                         ["blocks.1", "ln_f", "lm_head"]]
 
 
 @pytest.mark.parametrize("kwargs, words", [

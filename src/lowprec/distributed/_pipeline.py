@@ -95,10 +95,10 @@ class Pipeline:
     """This rank's stage of ``model`` and the schedule that trains it (module docstring).
 
     ``model``: converted (``lowprec.convert``) before this call, identical on every rank (same seed).
-    ``split_points`` / ``order``: as ``split_stages``; without split points the chain is cut into as many even
-    stages as the group has ranks.  ``microbatches``: M per step (1F1B needs M >= stages).  ``loss_fn(output,
-    target)`` must reduce by mean (gradients are divided by M).  ``group``: the pipeline's process group (default:
-    the world); stage r runs on the group's rank r.
+    ``split_points`` / ``order``: as ``split_stages``; without split points the chain is cut into as many stages
+    as the group has ranks, balanced by parameter count.  ``microbatches``: M per step (1F1B needs M >= stages).
+    ``loss_fn(output, target)`` must reduce by mean (gradients are divided by M).  ``group``: the pipeline's process
+    group (default: the world); stage r runs on the group's rank r.
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn, microbatches: int, schedule: ScheduleName = "1f1b",

@@ -13,8 +13,10 @@ stage is a run of consecutive pieces.  The chain comes from (first that applies)
 * the children of an ``nn.Sequential``.
 
 Split points name the piece that *begins* a stage (torch's ``SplitPoint.BEGINNING``): ``split_points=["blocks.1"]``
-puts everything before ``blocks.1`` on stage 0.  Without split points, ``n_stages`` cuts the chain into runs of
-as equal a number of pieces as it allows (the first stages take the extra ones).
+puts everything before ``blocks.1`` on stage 0.  Without split points, ``n_stages`` cuts the chain into
+non-empty runs whose largest parameter count is as small as it can be (parameters stand in for work and memory:
+a transformer block's GEMMs scale with its weights; ties go to the earliest cut), found by dynamic programming
+over the cut positions.
 
 Emulated numerics are keyed by the whole model: ``convert`` names every ``EmulatedLinear`` (``lowprec_name``, which
 seeds its stochastic-rounding streams) by its path in the whole model, so convert *before* splitting and the
@@ -85,7 +87,33 @@ class StageModule(nn.Module):
         return f"stage {self.index} of {self.n_stages}: {', '.join(self.piece_names)}"
 
 
-def _cut_points(names: list[str], n_stages: int | None, split_points: Sequence[str] | None) -> list[int]:
+def _balanced_cuts(weights: list[int], n_stages: int) -> list[int]:
+    """Cut positions splitting ``weights`` into ``n_stages`` non-empty runs with the smallest largest run sum.
+
+    ``best[k][i]``: the smallest possible largest sum when the first ``i`` pieces form ``k`` runs; O(S n^2)."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, n_stages + 1):
+        for i in range(k, n - (n_stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    cuts, i = [], n
+    for k in range(n_stages, 1, -1):
+        i = cut[k][i]
+        cuts.append(i)
+    return cuts[::-1]
+
+
+def _cut_points(names: list[str], weights: list[int], n_stages: int | None,
+                split_points: Sequence[str] | None) -> list[int]:
     """Indices into the chain where stages 1..S-1 begin."""
     if split_points is not None:
         if isinstance(split_points, str):
@@ -109,9 +137,7 @@ def _cut_points(names: list[str], n_stages: int | None, split_points: Sequence[s
     if n_stages > len(names):
         raise UsageError(f"n_stages = {n_stages} is more stages than the model has pieces ({len(names)}: "
                          f"{_some(names)}); use at most {len(names)} stages, or a model with more blocks")
-    base, extra = divmod(len(names), n_stages)
-    sizes = [base + (s < extra) for s in range(n_stages)]
-    return [sum(sizes[:s]) for s in range(1, n_stages)]
+    return _balanced_cuts(weights, n_stages)
 
 
 def _check_no_shared_parameters(stages: list[StageModule]) -> None:
@@ -132,7 +158,8 @@ def _check_no_shared_parameters(stages: list[StageModule]) -> None:
 
 def split_stages(model: nn.Module, *, n_stages: int | None = None, split_points: Sequence[str] | None = None,
                  order: Sequence[str] | None = None) -> list[StageModule]:
-    """Every stage of ``model`` (already converted), cut at ``split_points`` or into ``n_stages`` even runs.
+    """Every stage of ``model`` (already converted), cut at ``split_points`` or into ``n_stages`` runs balanced by
+    parameter count (module docstring).
 
     Returns S ``StageModule``\\ s over the model's own modules; composing them in order computes ``model(x)``
     (for a chain that mirrors the forward).  Errors (``UsageError``): unknown or repeated split points, more stages
@@ -140,7 +167,8 @@ def split_stages(model: nn.Module, *, n_stages: int | None = None, split_points:
     """
     pieces = pipeline_pieces(model, order)
     names = [n for n, _ in pieces]
-    cuts = _cut_points(names, n_stages, split_points)
+    weights = [sum(p.numel() for p in m.parameters()) for _, m in pieces]
+    cuts = _cut_points(names, weights, n_stages, split_points)
     bounds = [0, *cuts, len(pieces)]
     stages = [StageModule(pieces[a:b], s, len(bounds) - 1) for s, (a, b) in enumerate(itertools.pairwise(bounds))]
     _check_no_shared_parameters(stages)
