@@ -9,12 +9,14 @@ needs no extra launch.  Writes ``rank<r>.json`` into the output directory with, 
 * ``gpt``: the zoo's TinyGPT trained for ``STEPS`` AdamW steps with TP=2 (``sp``: with sequence parallelism) and
   in one process: whether the gathered parameters start equal, per-step losses (float.hex), the largest parameter
   difference after the last step in units of the learning rate, and the bytes the TP collectives sent;
-* ``wire``: a colwise layer whose input-gradient partial sums are sent as float32, bf16 and fp8 (``GradComm``).
+* ``wire``: a colwise layer whose input-gradient partial sums are sent as float32, bf16 and fp8 (``GradComm``);
+* ``doc``: the docs example (20 steps of TP=2 with sequence parallelism, fp8-delayed), run first.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -143,10 +145,25 @@ def gpt_case(recipe: str, sp: bool, mesh: object) -> dict[str, object]:
             "seconds": [t1 - t0, t2 - t1]}
 
 
+def doc_example() -> dict[str, object]:
+    """The Python example of docs/distributed.md's "Tensor and sequence parallelism" section, run as is (it
+    initialises the process group): its last loss and the untrained model's loss on the first batch."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    section = text.split("## Tensor and sequence parallelism", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    scope: dict[str, object] = {}
+    exec(compile(block, "docs/distributed.md", "exec"), scope)
+    fresh = get_task("gpt-bytes", seed=0, batch_size=4, layers=2, d_model=64, heads=4, context=16)
+    x, y = fresh.train_batch(0)
+    with torch.no_grad():
+        initial = float(fresh.loss_fn(fresh.model(x), y))
+    return {"final_loss": float(scope["loss"]), "initial_loss": initial}  # type: ignore[arg-type]
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     cases = json.loads(sys.argv[2])
-    dist.init_process_group("gloo")
+    doc = doc_example()
     rank = dist.get_rank()
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -158,7 +175,7 @@ def main() -> None:
             results.append({"recipe": recipe, "kind": kind, **layer_case(recipe, mesh, rank)})
         else:
             results.append({"recipe": recipe, "kind": kind, **gpt_case(recipe, kind == "gpt_sp", mesh)})
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cases": results}))
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cases": results, "doc": doc}))
     dist.destroy_process_group()
 
 

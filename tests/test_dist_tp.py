@@ -217,6 +217,7 @@ def dist_run(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
     assert sorted(r["rank"] for r in ranks) == [0, 1], p.stdout[-3000:] + p.stderr[-3000:]
     by_case: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
     for r in ranks:
+        by_case.setdefault(("docs", "example"), {})[r["rank"]] = r["doc"]
         for c in r["cases"]:
             by_case.setdefault((c["recipe"], c["kind"]), {})[r["rank"]] = c
     return by_case
@@ -291,3 +292,12 @@ def test_gradient_partial_sums_travel_in_the_grad_comm_format(dist_run: dict) ->
         assert got["stats"]["reduce_bytes"] == 2 * elems * per_elem, wire
         assert got["dx"]["max_abs"] <= WIRE_REL[wire] * got["dx"]["ref_max"], (wire, got)
     assert case["fp8_e5m2"]["stats"]["amax_bytes"] == case["float32"]["stats"]["amax_bytes"] + 4
+
+
+@pytest.mark.slow
+def test_docs_example_trains(dist_run: dict) -> None:
+    """docs/distributed.md's tensor-parallel example, run as is on 2 ranks: 20 steps lower the loss (5.55 at the
+    start; measured 3.0 after 20 steps) and both ranks end with the same loss."""
+    doc = dist_run[("docs", "example")]
+    assert doc[0]["final_loss"] == doc[1]["final_loss"]
+    assert doc[0]["final_loss"] < 0.8 * doc[0]["initial_loss"], doc[0]
