@@ -51,6 +51,25 @@ def test_quantize_compiled_matches_eager(fmt: str, rounding: str, saturate: bool
     assert_bitwise_equal(c, e, context=f"quantize {fmt} {rounding}")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("saturate", [False, True])
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "tf32", "float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz",
+                                 "float6_e3m2fn", "float4_e2m1fn"])
+def test_nearest_rounding_of_compiled_graphs_matches_the_integer_route(fmt: str, saturate: bool) -> None:
+    """Inside torch.compile, round-to-nearest takes float32 arithmetic (``_round._nearest_magnitude_float_route``;
+    bfloat16 its four-operation bit form ``_bf16_nearest_bits``); eager, the integer route.  Every float32 whose
+    top 14 mantissa bits run through all values in the binades around the format's subnormal range and largest
+    binades (ties, subnormals, overflow past max), a strided sweep of all 2^32 bit patterns (NaN payloads of both
+    signs, inf, float32 subnormals) and signed zeros, with each format's overflow, zero and NaN rules."""
+    from test_native_group import _sweep
+
+    x = torch.cat([_sweep(lowprec.formats.get(fmt)), torch.tensor([0.0, -0.0])]).view(-1, 2)
+    e, c = _both(lowprec.quantize, x, fmt, saturate=saturate)
+    assert_bitwise_equal(c, e, context=f"{fmt} saturate={saturate}")
+    nan = x.view(-1)[torch.isnan(x.view(-1))]
+    assert len(set(nan.view(torch.int32).tolist())) > 100  # many NaN payloads went through
+
+
 SPECS = [
     "fp8_e4m3_tensorwise",
     "fp8_e4m3_rowwise",

@@ -30,6 +30,7 @@ import lowprec
 import lowprec.optim
 from lowprec import formats
 from lowprec.quant import QuantSpec, _backend, _native, _native_group, _random
+from lowprec.quant._elementwise import quantize_in_place
 from lowprec.quant._scaled import fake_quantize_tensors
 from lowprec.testing import assert_bitwise_equal
 
@@ -188,6 +189,44 @@ def _train(recipe: str, fast: bool, steps: int) -> list[torch.Tensor]:
 def test_training_through_both_routes_gives_the_same_weights(recipe: str) -> None:
     for i, (a, b) in enumerate(zip(_train(recipe, True, 4), _train(recipe, False, 4), strict=True)):
         assert_bitwise_equal(a, b, context=f"{recipe} tensor {i}")
+
+
+def _kahan_by_tensors(p: torch.Tensor, old: torch.Tensor, c: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
+    """The Kahan update of ``lowprec.optim`` by tensor operations (the optimizer's fallback lines)."""
+    with _backend.fast_paths(False):
+        y = (p - old) - c
+        t = lowprec.quantize(old + y, fmt)
+        return t, lowprec.quantize((t - old) - y, fmt)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "tf32", "float16", "float8_e4m3fn", "int8"])
+def test_rounding_in_place_matches_the_tensor_route(fmt: str, rounding: str) -> None:
+    """``quantize_in_place`` (the optimizer's weight updates) against ``quantize`` with the fast paths off.
+    Stochastic: the formats with float32's exponent range take the kernel's short loop (``seg_sr_wide``), the
+    others the general one, over values past the format's largest (overflow), inf, NaN, signed zeros, float32
+    subnormals and a counter offset.  Nearest: the float route in place (finite values; a NaN makes it decline and
+    leave the tensor unchanged).  A transposed tensor is declined and left unchanged."""
+    spec = formats.get(fmt)
+    x = _varied((300, 77), 5)
+    specials = [-0.0, -1e-40, 1e-45]
+    if rounding == "stochastic":
+        specials += [spec.max, -spec.max, 3.3999e38, float("inf"), float("nan")]
+    else:  # the float route in place takes values the format holds, below 2^100 (v + C stays finite)
+        x = x.clamp(-min(spec.max, 2.0**100), min(spec.max, 2.0**100))
+        specials += [min(spec.max, 2.0**100), -min(spec.max, 2.0**100) / 3]
+    x.view(-1)[20:20 + len(specials)] = torch.tensor(specials)
+    with _backend.fast_paths(False):
+        want = lowprec.quantize(x, fmt, rounding=rounding, seed=1234, offset=77)  # type: ignore[arg-type]
+    got = x.clone()
+    done = quantize_in_place(got, spec, rounding, 1234, 77)
+    assert done == (rounding == "stochastic" or fmt != "int8")
+    assert_bitwise_equal(got, want if done else x, context=fmt)
+    for declined in (x.t(), torch.where(torch.arange(x.numel()).view(x.shape) == 9, float("nan"), x)):
+        before = declined.clone()
+        if rounding == "nearest" or not declined.is_contiguous():
+            assert not quantize_in_place(declined, spec, rounding, 1234, 77)
+            assert_bitwise_equal(declined, before, context=f"{fmt} declined")
 
 
 def _kahan_by_tensors(p: torch.Tensor, old: torch.Tensor, c: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:

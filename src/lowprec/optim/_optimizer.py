@@ -28,6 +28,7 @@ import torch
 from .. import formats, recipes
 from .._errors import UsageError
 from ..quant import QuantSpec, _native_group, fake_quantize, quantize
+from ..quant._elementwise import quantize_in_place
 from ..quant._random import stream_seed
 from ..recipes import Recipe
 from ._scaler import LossScaler
@@ -130,11 +131,12 @@ class LowPrecisionOptimizer:
         for i, param in enumerate(params):
             p, offset = _local(param)  # a sharded (FSDP2) parameter: this rank's shard, at its global offset
             if w.update == "nearest":
-                p.copy_(quantize(p, w.format))
+                if not quantize_in_place(p, formats.get(w.format)):
+                    p.copy_(quantize(p, w.format))
             elif w.update == "stochastic":
                 index = i if self.param_index is None else self.param_index[i]
                 seed = stream_seed(self.recipe.seed, "weight-update", str(self.steps), str(index))
-                if not _native_group.round_in_place(p, formats.get(w.format), "stochastic", seed, offset):
+                if not quantize_in_place(p, formats.get(w.format), "stochastic", seed, offset):
                     p.copy_(quantize(p, w.format, rounding="stochastic", seed=seed, offset=offset))
             else:  # kahan
                 old, _ = _local(before[i])

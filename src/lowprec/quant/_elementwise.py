@@ -232,3 +232,17 @@ def quantize(
         if r is not None:
             return r
     return _backend.run(_kernel, x.numel(), x, keys, off, fmt=spec, rounding=mode, saturate=saturate)
+
+
+def quantize_in_place(x: torch.Tensor, fmt: FormatSpec, rounding: str = "nearest", seed: int = 0,
+                      offset: int = 0) -> bool:
+    """``x.copy_(quantize(x, fmt, rounding=rounding, seed=seed, offset=offset))`` by the native kernels without a
+    new tensor and the copy (the optimizer's weight updates).  True when done; False, ``x`` unchanged, where no
+    kernel applies (not a contiguous float32 CPU tensor outside autograd, no compiler here, or, for round to
+    nearest, NaN or inf in ``x`` or a format outside the float route): the caller then runs ``quantize``."""
+    if rounding == "nearest":
+        if not (fast_round_ok(fmt, rounding) and x.dtype == torch.float32 and x.is_contiguous()
+                and _native.usable(x)):
+            return False
+        return round_nearest_fast(x, fmt, saturate=False, sign=x, native_only=True) is not None
+    return _native_group.round_in_place(x, fmt, rounding, seed, offset)

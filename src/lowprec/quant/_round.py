@@ -93,6 +93,46 @@ def round_magnitude(
     return n.to(torch.float32) * _pow2(big_e - mbits)
 
 
+def _bf16_nearest_bits(x: torch.Tensor, fmt: FormatSpec, saturate: bool) -> torch.Tensor:
+    """``quantize_f32(x, bfloat16, rounding="nearest", ...)`` in four integer operations, the form compiled graphs
+    use for bfloat16 (1.5x the time of a copy at 400K elements, the float route below 2.5x).  bfloat16 is float32
+    with the low 16 bits dropped (same exponent field, subnormals included), so round-to-nearest-even is
+    ``(b + 0x7FFF + bit16) & 0xFFFF0000`` on the bits ``b``: the carry out of the dropped bits steps the magnitude
+    to the next bfloat16 up, or from the largest finite one to inf (IEEE overflow), and never reaches the sign.
+    Saturation clamps first (max is on the grid); non-finite values pass unchanged (inf stays inf even when
+    saturating, NaN keeps its bits), as in the integer route."""
+    v = torch.clamp(x, -fmt.max, fmt.max) if saturate else x
+    b = v.view(torch.int32)
+    r = ((b + (0x7FFF + ((b >> 16) & 1))) & -65536).view(torch.float32)
+    return torch.where(torch.isfinite(x), r, x)
+
+
+def _nearest_magnitude_float_route(a: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
+    """``round_magnitude(a, rounding="nearest")`` for a float format with 1 to 22 mantissa bits and ``emin >= -126``
+    by float32 arithmetic, the form compiled graphs use: with ``C = 1.5 * 2^(E + 23 - M)`` for the exponent ``E``
+    of ``v`` (at least ``emin``: subnormals of the format round on its fixed grid), ``v + C`` lies in a binade whose
+    float32 spacing is the format's step at ``v``, so float32's own round-to-nearest-even in the addition is the
+    format's, and ``(v + C) - C`` is exact.  Magnitudes are clamped to ``2 * max`` first (``v + C`` stays finite;
+    anything above max is overflow either way, decided by the caller on the result).
+
+    Why: inside torch.compile the integer route's variable shifts become a loop inductor's CPU code does not
+    vectorize (bfloat16 at 400K elements: 3.5x the time of a copy; this route 1.4x).  The dtype cast
+    ``x.to(bfloat16).to(float32)`` is no substitute: inductor drops such cast pairs inside fused kernels (its
+    ``emulate_precision_casts`` is off by default).  Eager calls keep the integer route, the oracle this one is
+    tested against (tests/test_compiled.py: whole binades, 2^32 strided bit patterns)."""
+    v = torch.clamp(a.view(torch.float32), max=2.0 * fmt.max)
+    k, cmin = 1.5 * 2.0 ** (23 - fmt.mbits), 1.5 * 2.0 ** (23 + fmt.emin - fmt.mbits)
+    c = torch.clamp((v.view(torch.int32) & _EXP_INF).view(torch.float32) * k, min=cmin)
+    return (v + c) - c
+
+
+def _float_route_ok(fmt: FormatSpec) -> bool:
+    """Formats the float route handles: ``v + C`` must stay finite for ``v`` up to ``2 * max``, so not the formats
+    with float32's exponent range (bfloat16 takes its bit form, tf32 the integer route)."""
+    return (fmt.kind == "float" and fmt.signed and 1 <= fmt.mbits <= 22 and fmt.emin >= -126
+            and 2.0 * fmt.max < 2.0 ** (126 - (24 - fmt.mbits)))
+
+
 def quantize_f32(
     x: torch.Tensor,
     fmt: FormatSpec,
@@ -112,17 +152,22 @@ def quantize_f32(
     """
     if fmt.kind == "float" and fmt.mbits == 23 and fmt.emin <= -126:
         return x.clone()  # float32 itself
+    if fmt.name == "bfloat16" and rounding == "nearest" and torch.compiler.is_compiling():
+        return _bf16_nearest_bits(x, fmt, saturate)
     bits = x.view(torch.int32)
     a = bits & _ABS
     finite = a < _EXP_INF
-    mag = round_magnitude(
-        torch.where(finite, a, 0),
-        mbits=fmt.mbits,
-        emin=fmt.emin,
-        rounding=rounding,
-        rbits=rbits,
-        ties_away=fmt.mbits == 0,
-    )
+    if rounding == "nearest" and _float_route_ok(fmt) and torch.compiler.is_compiling():
+        mag = _nearest_magnitude_float_route(torch.where(finite, a, 0), fmt)
+    else:
+        mag = round_magnitude(
+            torch.where(finite, a, 0),
+            mbits=fmt.mbits,
+            emin=fmt.emin,
+            rounding=rounding,
+            rbits=rbits,
+            ties_away=fmt.mbits == 0,
+        )
     fmax = fmt.max
     nan = float("nan")
     if fmt.kind == "int":
