@@ -10,6 +10,7 @@ needs no extra launch.  Writes ``rank<r>.json`` into the output directory with, 
   in one process: whether the gathered parameters start equal, per-step losses (float.hex), the largest parameter
   difference after the last step in units of the learning rate, and the bytes the TP collectives sent;
 * ``wire``: a colwise layer whose input-gradient partial sums are sent as float32, bf16 and fp8 (``GradComm``);
+* ``llama``: a transformers Llama through ``llama_plan`` (``gpt``'s fields);
 * ``doc``: the docs example (20 steps of TP=2 with sequence parallelism, fp8-delayed), run first.
 """
 
@@ -160,6 +161,40 @@ def doc_example() -> dict[str, object]:
     return {"final_loss": float(scope["loss"]), "initial_loss": initial}  # type: ignore[arg-type]
 
 
+def llama(recipe: str) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return lowprec.convert(model.train(), recipe)
+
+
+def llama_case(recipe: str, mesh: object) -> dict[str, object]:
+    """A transformers Llama (2 layers, 4 heads, 2 key-value heads) with ``llama_plan``, TP=2 vs one process."""
+    ref, tp_model = llama(recipe), llama(recipe)
+    tensor_parallel(tp_model, mesh)  # type: ignore[arg-type]
+    ref_p = dict(ref.named_parameters())
+    init_equal = all(torch.equal(_full(p), ref_p[n].detach()) for n, p in tp_model.named_parameters())
+    losses: dict[str, list[str]] = {}
+    for key, model in (("ref", ref), ("tp", tp_model)):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+        out = []
+        for step in range(STEPS):
+            ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1000 + step))
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.item().hex())
+        losses[key] = out
+    worst = max(float((_full(p) - ref_p[n].detach()).abs().max()) for n, p in tp_model.named_parameters())
+    return {"ref_losses": losses["ref"], "tp_losses": losses["tp"], "init_equal": init_equal,
+            "param_lr_units": worst / LR, "stats": tp_stats(tp_model), "seconds": [0.0, 0.0]}
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     cases = json.loads(sys.argv[2])
@@ -169,7 +204,9 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = []
     for recipe, kind in cases:
-        if kind == "wire":
+        if kind == "llama":
+            results.append({"recipe": recipe, "kind": kind, **llama_case(recipe, mesh)})
+        elif kind == "wire":
             results.append({"recipe": recipe, "kind": kind, **wire_case(recipe, mesh)})
         elif kind == "layer":
             results.append({"recipe": recipe, "kind": kind, **layer_case(recipe, mesh, rank)})
