@@ -28,8 +28,8 @@ from lowprec.runs.zoo import get_task
 from lowprec.testing import torchrun
 
 WORKER = Path(__file__).with_name("_dist_tp_worker.py")
-RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "mxfp8", "mxfp4"]  # mxfp4: stochastic gradients
-SP_RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "mxfp8"]
+RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "mxfp4"]  # mxfp4: SR gradients
+SP_RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8"]
 LLAMA_RECIPES = ["fp32", "bf16", "fp8-tensorwise"] if importlib.util.find_spec("transformers") else []
 CASES = ([(r, "layer") for r in RECIPES] + [(r, "gpt") for r in RECIPES] + [(r, "gpt_sp") for r in SP_RECIPES]
          + [("fp8-tensorwise", "wire")] + [(r, "llama") for r in LLAMA_RECIPES])
@@ -68,6 +68,9 @@ SPECS = {
     "mxfp4_sr": dataclasses.replace(QuantSpec.named("mxfp4"), rounding="stochastic"),
     "bf16_sr": QuantSpec(elem="bfloat16", scaling="none", rounding="stochastic", saturate=False),
     "fp8_tensorwise_sr": dataclasses.replace(QuantSpec.named("fp8_e4m3_tensorwise"), rounding="stochastic"),
+    "fp8_rowwise": lowprec.recipes.get("fp8-rowwise").linear.forward.a.spec,  # one e8m0 scale per row
+    "fp8_rowwise_sr": dataclasses.replace(lowprec.recipes.get("fp8-rowwise").linear.forward.a.spec,
+                                          rounding="stochastic"),
 }
 
 
@@ -94,7 +97,8 @@ def _gather(parts: list[torch.Tensor], pieces: list[tuple[Any, ...]], dim: int, 
 def test_shards_quantize_as_the_whole(name: str, dim: int, world: int, chunks: int) -> None:
     """Every rank's ``quantize_shard`` of its rows or columns (plain or fused q/k/v pieces) equals that slice of
     ``fake_quantize_tensors`` of the whole operand, bit for bit, stochastic rounding included (oracle: the
-    single-process call with offset 0); tensorwise specs get the whole operand's amax, as the MAX all-reduce gives."""
+    single-process call with offset 0); tensorwise specs get the whole operand's amax and per-row specs the rows'
+    amaxes, as the MAX all-reduces give."""
     spec = SPECS[name]
     g = torch.Generator().manual_seed(3)
     full = torch.randn(96, 384, generator=g) * torch.logspace(-3, 1, 384)  # pieces of whole MX blocks
@@ -106,7 +110,8 @@ def test_shards_quantize_as_the_whole(name: str, dim: int, world: int, chunks: i
     shards = _shards(full, dim, world, chunks)
     for _, lay in shards:
         check_operand(spec, lay, "operand", "dim")
-    parts = [quantize_shard(t, spec, lay, keys=keys, amax=amax) for t, lay in shards]
+    rows = full.abs().amax(dim=1)  # per-row scales: the rows' amaxes over the whole row (a MAX all-reduce)
+    parts = [quantize_shard(t, spec, lay, keys=keys, amax=amax, row_amax=rows) for t, lay in shards]
     got = _gather(parts, [lay for _, lay in shards], dim, full)
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
 
@@ -132,8 +137,10 @@ def test_block_straddling_a_shard_is_an_error() -> None:
     with pytest.raises(UsageError, match=r"block of 32 elements along in_features.*24 of 48"):
         check_operand(QuantSpec.named("mxfp8_e4m3"), lay, "module 'fc'", "in_features")
     check_operand(QuantSpec.named("mxfp8_e4m3"), ShardLayout(0, split_pieces(48, 0, 2), 48), "m", "out_features")
-    with pytest.raises(UsageError, match="scaling='axis'"):
-        check_operand(QuantSpec(elem="float8_e4m3fn", scaling="axis", axis=-1), lay, "m", "in_features")
+    check_operand(QuantSpec(elem="float8_e4m3fn", scaling="axis", axis=-1), lay, "m", "in_features")  # row amaxes
+    with pytest.raises(UsageError, match="scaling='axis' with axis=0"):
+        check_operand(QuantSpec(elem="float8_e4m3fn", scaling="axis", axis=0),
+                      ShardLayout(0, split_pieces(48, 0, 2), 48), "m", "out_features")
     with pytest.raises(UsageError, match="two-level"):
         check_operand(QuantSpec.named("nvfp4"), ShardLayout(1, split_pieces(64, 0, 2), 64), "m", "in_features")
 

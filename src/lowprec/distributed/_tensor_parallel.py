@@ -12,7 +12,8 @@ stay split along the sequence (an all-gather before colwise, a reduce-scatter af
 group; ``SequenceBoundary`` splits the sequence at the first parallel block and gathers it after the last.
 
 Quantization follows one process (``_tp_shard``): tensorwise amax over the unsharded tensor (MAX all-reduce),
-block scales that never straddle a shard (``UsageError`` naming the dimension and block size otherwise),
+per-row scales from the whole rows' amaxes, block scales that never straddle a shard (``UsageError`` naming the
+dimension and block size otherwise),
 stochastic-rounding draws indexed by global element, delayed-scaling histories kept equal with
 ``sync_amax_histories(model, group)`` after every backward.
 

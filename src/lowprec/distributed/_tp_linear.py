@@ -14,8 +14,9 @@ between pairs are split along the sequence: the colwise input is all-gathered fi
 dx) and the rowwise output is reduce-scattered (its backward all-gathers dY).
 
 Every operand is quantized as one process quantizes the whole tensor (``_tp_shard``): tensorwise scales from the
-MAX all-reduce of the shards' amaxes (one collective per pass for all operands that need it), blocks that never
-straddle a shard, stochastic rounding with the global element counters.  Delayed scaling uses the module's own
+MAX all-reduce of the shards' amaxes (one collective per pass for all operands that need it), per-row scales of
+a column shard from the rows' global amaxes (one more), blocks that never straddle a shard, stochastic rounding
+with the global element counters.  Delayed scaling uses the module's own
 history buffers: ``amax_reduce`` (the TP group's MAX all-reduce) makes the first step global and
 ``sync_amax_histories(model, group)`` after every backward keeps the histories equal, as with FSDP2.
 
@@ -46,7 +47,7 @@ from ..quant import quantize as _quantize
 from ..recipes._recipe import OPERAND_ROLE, shares_quantization
 from . import _tp_comm as comm
 from ._fsdp_gather import _quantize_with_amax
-from ._tp_shard import FULL, Piece, ShardLayout, quantize_shard
+from ._tp_shard import FULL, Piece, ShardLayout, needs_row_amax, quantize_shard
 
 # Which dimension of each GEMM operand (2-D, reduction last) is sharded: None (whole), 0 rows, 1 columns.
 _SHARDED: dict[str, dict[tuple[str, str], int | None]] = {
@@ -99,16 +100,34 @@ def _global_amax(tensors: dict[str, torch.Tensor], roles: set[str], info: TPInfo
     return dict(zip(names, comm.max_all_reduce(local, info.group, info.stats), strict=True))
 
 
+def _row_amax(m: Any, info: TPInfo, operands: dict[tuple[str, str], torch.Tensor], glob: dict[Any, torch.Tensor]
+              ) -> dict[Any, torch.Tensor]:
+    """``glob`` plus, for every operand (GEMM, "a" | "b") with one scale per row of a column shard, its rows'
+    amaxes over the whole row: one MAX all-reduce of all of them (``_tp_shard.needs_row_amax``)."""
+    need = [(key, t) for key, t in operands.items()
+            if needs_row_amax(getattr(getattr(m.recipe, key[0]), key[1]).spec, info.layout(*key))]
+    if not need:
+        return glob
+    flat = torch.cat([t.abs().amax(dim=1) for _, t in need])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=info.group)
+    info.stats.amax_bytes += flat.numel() * 4
+    out = dict(glob)
+    for (key, _), part in zip(need, flat.split([t.shape[0] for _, t in need]), strict=True):
+        out[key] = part
+    return out
+
+
 def _q(t: torch.Tensor, m: Any, info: TPInfo, gemm: str, which: str, keys: Any, delayed: dict[str, torch.Tensor],
-       glob: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Operand ``which`` of GEMM ``gemm`` (local shard ``t``) quantized as one process quantizes the whole."""
+       glob: dict[Any, torch.Tensor]) -> torch.Tensor:
+    """Operand ``which`` of GEMM ``gemm`` (local shard ``t``) quantized as one process quantizes the whole
+    (``glob``: the tensorwise amaxes of sharded roles and per-row amaxes by (GEMM, operand), ``_row_amax``)."""
     op = getattr(getattr(m.recipe, gemm), which)
     if op.spec is None:
         return t
     role = OPERAND_ROLE[(gemm, which)]
     amax = delayed.get(role) if op.scaling.kind == "delayed" else glob.get(role)
     k = keys.get((gemm, which)) if keys else None
-    return quantize_shard(t, op.spec, info.layout(gemm, which), keys=k, amax=amax)
+    return quantize_shard(t, op.spec, info.layout(gemm, which), keys=k, amax=amax, row_amax=glob.get((gemm, which)))
 
 
 def _round_output(t: torch.Tensor, fmt: str | None) -> torch.Tensor:
@@ -206,9 +225,11 @@ class ColwiseFn(torch.autograd.Function):
         amax_d = dict(ctx.amax_d)
         if m._delayed:
             amax_d.update(m._delayed_amax({"grad_output": g2}))
-        glob = _global_amax({"grad_output": g2, "weight": wf},
-                            _needs_global_amax(m, info, ("grad_input", "grad_weight")), info)
+        glob: dict[Any, torch.Tensor] = _global_amax({"grad_output": g2, "weight": wf},
+                                                     _needs_global_amax(m, info, ("grad_input", "grad_weight")), info)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if need_x:
+            glob = _row_amax(m, info, {("grad_input", "a"): g2, ("grad_input", "b"): wf.t()}, glob)
         gx = gw = gb = None
         if need_x:
             # dx = sum_r dY_r @ W_r   [B,N/T] @ [N/T,K] -> [B,K], summed over the group
@@ -251,7 +272,9 @@ class RowwiseFn(torch.autograd.Function):
         wf = w.to(torch.float32)
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         amax_d = m._delayed_amax({"input": x2, "weight": wf}) if m._delayed else {}
-        glob = _global_amax({"input": x2, "weight": wf}, _needs_global_amax(m, info, ("forward",)), info)
+        glob: dict[Any, torch.Tensor] = _global_amax({"input": x2, "weight": wf},
+                                                     _needs_global_amax(m, info, ("forward",)), info)
+        glob = _row_amax(m, info, {("forward", "a"): x2, ("forward", "b"): wf}, glob)
         # partial y_r = x_r @ W_r^T   [B,K/T] @ [K/T,N] -> [B,N], summed over the group; the bias is added once
         part = product(_q(x2, m, info, "forward", "a", keys, amax_d, glob),
                        _q(wf, m, info, "forward", "b", keys, amax_d, glob), rec.forward)

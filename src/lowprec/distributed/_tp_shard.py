@@ -12,8 +12,12 @@ shard, the bits of the single-process quantization of the whole operand:
 * blocks and tiles: a group must lie inside one piece, so every piece's length and global start along the sharded
   dimension must be multiples of the group's extent along it (``check_operand`` raises ``UsageError`` naming the
   dimension and the block size otherwise); the groups of the shard are then exactly those of the whole;
-* one scale per row (``scaling="axis"``) along a sharded dimension would need the whole row: rejected, as are
-  two-level specs (NVFP4's tensor scale) on a sharded operand;
+* one scale per row (``scaling="axis"``, ``axis=-1``) of a column shard: the caller passes the rows' amaxes over
+  the whole row (``row_amax``, a MAX all-reduce of the local row amaxes), and the shard is quantized with one more
+  element per row holding that amax (a sentinel: the row's amax is then the global one, and the sentinel's own
+  code is dropped); elements are rounded with their row's scale, elementwise, so they are the whole row's codes.
+  A per-column amax along sharded rows (``axis=0`` on a row shard) and two-level specs (NVFP4's tensor scale) on
+  a sharded operand are rejected;
 * stochastic rounding: element ``(i, j)`` of the global ``[R, C]`` operand draws the random word of counter
   ``i * C + j`` (``lowprec.quant._random``: counters are row-major indices plus an offset).  A row shard is
   quantized piece by piece with offset ``global_start * C``.  A column shard has no single offset (its rows are
@@ -95,11 +99,11 @@ def check_operand(spec: QuantSpec | None, layout: ShardLayout, where: str, dim_n
                          f"along {dim_name} is not supported by tensor parallelism; keep this module unsharded "
                          "(leave it out of the plan) or use a one-level spec (mxfp8, fp8 tensorwise)")
     ext = _extent(spec, layout.dim)
-    if ext == -1:
-        raise UsageError(f"{where}: scaling='axis' takes one amax along {dim_name}, which tensor parallelism shards "
-                         "across ranks; use tensorwise or block scaling for this operand, or leave the module out "
-                         "of the plan")
-    if ext is None:
+    if ext == -1 and layout.dim == 0:
+        raise UsageError(f"{where}: scaling='axis' with axis={spec.axis} takes one amax along {dim_name}, which "
+                         "tensor parallelism shards by rows; use axis=-1, tensorwise or block scaling for this "
+                         "operand, or leave the module out of the plan")
+    if ext is None or ext == -1:  # -1 on a column shard: per-row amaxes from the caller (row_amax)
         return
     for _, start, n in layout.pieces:
         if n % ext or start % ext:
@@ -122,12 +126,40 @@ def _rows(t: torch.Tensor, spec: QuantSpec, layout: ShardLayout, keys: torch.Ten
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def needs_row_amax(spec: QuantSpec | None, layout: ShardLayout) -> bool:
+    """Whether quantizing a shard with ``layout`` needs the global per-row amaxes (``quantize_shard``'s
+    ``row_amax``): one scale per row of a column shard."""
+    return spec is not None and spec.scaling == "axis" and spec.axis % 2 == 1 and layout.dim == 1
+
+
+def _free_column(layout: ShardLayout) -> int:
+    """A global column outside this shard's pieces (the sentinel's place in the embedded matrix)."""
+    mine = sorted((start, start + n) for _, start, n in layout.pieces)
+    col = 0
+    for a, b in mine:
+        if col < a:
+            return col
+        col = max(col, b)
+    if col >= layout.size:
+        raise UsageError("a column shard that holds every column needs no per-row amax; use ShardLayout()")
+    return col
+
+
+def _with_sentinel(t: torch.Tensor, spec: QuantSpec, row_amax: torch.Tensor) -> torch.Tensor:
+    """Round to nearest with per-row scales from ``row_amax``: one extra column holding it, dropped afterwards."""
+    q = fake_quantize_tensors(torch.cat([t, row_amax.reshape(-1, 1).to(t.dtype)], dim=1), spec)
+    return q[:, :-1].contiguous()
+
+
 def _columns(t: torch.Tensor, spec: QuantSpec, layout: ShardLayout, keys: torch.Tensor,
-             amax: torch.Tensor | None) -> torch.Tensor:
-    """Stochastic rounding of a column shard: embedded at its global columns in a zero matrix (module docstring)."""
+             amax: torch.Tensor | None, row_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Stochastic rounding of a column shard: embedded at its global columns in a zero matrix (module docstring);
+    per-row scales get the rows' global amaxes at a column of another rank."""
     full = t.new_zeros(t.shape[0], layout.size)
     for local, start, n in layout.pieces:
         full[:, start:start + n] = t[:, local:local + n]
+    if row_amax is not None:
+        full[:, _free_column(layout)] = row_amax.to(t.dtype)
     zero = torch.zeros((), dtype=torch.int32, device=t.device)
     q = fake_quantize_tensors(full, spec, keys=keys, offset=zero, amax=amax)
     parts = [q[:, start:start + n] for _, start, n in layout.pieces]
@@ -135,22 +167,27 @@ def _columns(t: torch.Tensor, spec: QuantSpec, layout: ShardLayout, keys: torch.
 
 
 def quantize_shard(t: torch.Tensor, spec: QuantSpec | None, layout: ShardLayout, *, keys: torch.Tensor | None,
-                   amax: torch.Tensor | None) -> torch.Tensor:
+                   amax: torch.Tensor | None, row_amax: torch.Tensor | None = None) -> torch.Tensor:
     """``t`` (float32 ``[R, C]`` local operand, reduction dim last) fake-quantized with ``spec`` as the rows or
     columns ``layout`` names of the single-process result (module docstring).
 
     ``keys``: the GEMM operand's random keys (stochastic specs); ``amax``: the whole operand's amax for
-    one-scale-per-tensor specs of a sharded operand (or the delayed history's), else None.
+    one-scale-per-tensor specs of a sharded operand (or the delayed history's), else None; ``row_amax``: ``[R]``,
+    each row's amax over the whole row where ``needs_row_amax(spec, layout)``.
     """
     if spec is None:
         return t
+    if needs_row_amax(spec, layout) and row_amax is None:
+        raise UsageError("a column shard with one scale per row needs the rows' global amaxes (row_amax)")
+    if not needs_row_amax(spec, layout):
+        row_amax = None
     if spec.rounding != "stochastic":
-        return fake_quantize_tensors(t, spec, amax=amax)
+        return fake_quantize_tensors(t, spec, amax=amax) if row_amax is None else _with_sentinel(t, spec, row_amax)
     if keys is None:
         raise UsageError("a stochastic-rounding operand needs random keys")
     if layout.dim == 0:
         return _rows(t, spec, layout, keys, amax)
     if layout.dim == 1:
-        return _columns(t, spec, layout, keys, amax)
+        return _columns(t, spec, layout, keys, amax, row_amax)
     zero = torch.zeros((), dtype=torch.int32, device=t.device)
     return fake_quantize_tensors(t, spec, keys=keys, offset=zero, amax=amax)
