@@ -37,6 +37,9 @@ STEPS = 3
 MICROBATCHES = 4
 BATCH = 16
 CLIP = 0.1  # "-clip" cases: global gradient norm clipped to this (the runner's _grad_norm_and_clip in one process)
+VARIANTS = ("-clip", "-dynamic", "-noindex")
+INTERLEAVED = {"gpt": {"split_points": ["blocks.0", "blocks.1", "ln_f"]},  # 4 stages, 2 per rank
+               "mlp": {"order": ["layers.0", "act", "layers.1", "act", "head"]}}  # the default balanced split
 EVALUATE = {("gpt", "fp8-delayed"), ("mlp", "mxfp4")}  # cases that also report the task's evaluation
 MODELS = {
     "gpt": ("gpt-bytes", {"layers": 2, "d_model": 32, "heads": 2, "context": 16}, {"split_points": ["blocks.1"]}),
@@ -76,7 +79,7 @@ def run_case(model_key: str, recipe_name: str, schedule: str) -> dict[str, objec
     lowprec.convert(model, recipe)  # before splitting: lowprec_name is the path in the whole model
     model.train()
     losses = []
-    kind, _, variant = schedule.partition("-")
+    kind, _, variant = schedule.rpartition("-") if schedule.endswith(VARIANTS) else (schedule, "", "")
     evaluation = {"eval": task.evaluate} if (model_key, recipe_name) in EVALUATE else {}
     if kind in ("accum", "whole"):
         params = list(model.parameters())
@@ -98,9 +101,11 @@ def run_case(model_key: str, recipe_name: str, schedule: str) -> dict[str, objec
         return {"losses": [float.hex(v) for v in losses], "skipped": opt.scaler.skipped_steps,
                 "norms": [float.hex(v) for v in norms], **state(model, [model]),
                 **{k: f(model) for k, f in evaluation.items()}}
+    if kind == "interleaved-1f1b":
+        split = {**INTERLEAVED[model_key], "stages_per_rank": 2}
     pipe = Pipeline(model, loss_fn=task.loss_fn, microbatches=MICROBATCHES, schedule=kind, **split)
     if variant == "dynamic":  # control: torch's dynamic metadata inference instead of Pipeline's static metadata
-        stage = PipelineStage(pipe.module, pipe.stage_index, pipe.n_stages, pipe.device)
+        stage = PipelineStage(pipe.module, pipe.rank, pipe.n_stages, pipe.device)
         pipe._schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=task.loss_fn)
     index = None if variant == "noindex" else pipe.param_index  # control: the stage's own parameter indices
     opt = LowPrecisionOptimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2), recipe, param_index=index)
@@ -117,9 +122,9 @@ def run_case(model_key: str, recipe_name: str, schedule: str) -> dict[str, objec
             opt.scaler.update(False)
         opt.zero_grad()
         losses.append(float(loss))
-    return {"losses": [float.hex(v) for v in losses], "pieces": pipe.module.piece_names,
+    return {"losses": [float.hex(v) for v in losses], "pieces": [n for m in pipe.modules for n in m.piece_names],
             "skipped": opt.scaler.skipped_steps, "local_finite": local_finite, "norms": [float.hex(v) for v in norms],
-            **state(model, [pipe.module]), "synced": sync_and_digest(pipe, model),
+            **state(model, list(pipe.modules)), "synced": sync_and_digest(pipe, model),
             **{k: f(model) for k, f in evaluation.items()}}
 
 

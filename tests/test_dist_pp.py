@@ -27,7 +27,7 @@ WORKER = Path(__file__).with_name("_dist_pp_worker.py")
 STEPS, MICROBATCHES = 3, 4  # as in the worker
 MODELS = ("gpt", "mlp")
 RECIPES = ("fp32", "bf16", "fp8-tensorwise", "mxfp8", "bf16-sr", "fp8-delayed", "mxfp4")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # interleaved: 4 stages, 2 per rank
 CASES = [[m, r, s] for m in MODELS for r in RECIPES for s in ("accum", "whole", *SCHEDULES)]
 CASES += [["mlp", "mxfp4", "1f1b-dynamic"], ["mlp", "fp8-delayed", "1f1b-dynamic"], ["gpt", "bf16-sr", "1f1b-noindex"]]
 CLIP = 0.1  # as in the worker
@@ -89,6 +89,9 @@ def test_loss_is_broadcast_and_stages_are_the_split_points(dist_run: dict) -> No
     assert dist_run[1][("gpt", "fp32", "1f1b")]["pieces"] == ["blocks.1", "ln_f", "lm_head"]
     assert dist_run[0][("mlp", "fp32", "gpipe")]["pieces"] == ["layers.0", "act"]
     assert dist_run[1][("mlp", "fp32", "gpipe")]["pieces"] == ["layers.1", "act", "head"]
+    # interleaved: rank r holds stages r and r + 2
+    assert dist_run[0][("gpt", "fp32", "interleaved-1f1b")]["pieces"] == ["embed", "blocks.1"]
+    assert dist_run[1][("gpt", "fp32", "interleaved-1f1b")]["pieces"] == ["blocks.0", "ln_f", "lm_head"]
 
 
 @pytest.mark.slow
@@ -194,7 +197,7 @@ def test_sync_model_makes_the_whole_model_current_on_every_rank(dist_run: dict, 
 
 @pytest.mark.slow
 def test_docs_example_trains(dist_run: dict) -> None:
-    """docs/distributed.md's example, run as is (100 steps of the GPT on 2 stages): the same final loss and
+    """docs/distributed.md's example, run as is (30 steps of the GPT on 2 stages): the same final loss and
     validation metrics on both ranks (after sync_model), the loss well below the untrained one."""
     a, b = dist_run["doc"][0], dist_run["doc"][1]
     assert a["final_loss"] == b["final_loss"] < 0.8 * a["initial_loss"], (a, b)
@@ -302,6 +305,24 @@ def test_microbatch_count_must_divide_the_batch() -> None:
 def test_pipeline_needs_a_process_group() -> None:
     with pytest.raises(lowprec.UsageError, match="init_process_group"):
         Pipeline(_gpt(), loss_fn=lm_loss, microbatches=4)
+
+
+@pytest.mark.parametrize("schedule, world, per_rank, microbatches, words", [
+    ("1f1b", 4, 1, 2, "at least as many microbatches as stages (4)"),
+    ("gpipe", 2, 2, 4, "use schedule 'interleaved-1f1b' for several"),
+    ("interleaved-1f1b", 4, 2, 9, "not a multiple of 2 rounds"),
+    ("zero-bubble", 2, 1, 4, "schedule must be one of"),
+    ("gpipe", 2, 1, 0, "microbatches must be a positive int"),
+])
+def test_layout_errors(schedule: str, world: int, per_rank: int, microbatches: int, words: str) -> None:
+    """Checked before torch's schedules are built (they would raise later, or hang a peer rank)."""
+    from lowprec.distributed._pipeline import _check_layout
+
+    with pytest.raises(lowprec.UsageError) as e:
+        _check_layout(schedule, world, per_rank, microbatches)
+    assert words in str(e.value)
+    _check_layout("interleaved-1f1b", 4, 2, 8)  # fine: 2 rounds of 4
+    _check_layout("gpipe", 4, 1, 1)
 
 
 def test_accumulate_step_with_one_microbatch_is_a_plain_step() -> None:

@@ -2,7 +2,8 @@
 
 ``Pipeline(model, loss_fn=..., microbatches=M, schedule="gpipe" | "1f1b")`` puts stage ``r`` of the converted model
 (``split_stages``, _pp_split.py) on rank ``r`` of the process group and ``step(inputs, targets)`` runs one training
-step's forwards and backwards under torch's ``ScheduleGPipe`` or ``Schedule1F1B``.
+step's forwards and backwards under torch's ``ScheduleGPipe`` or ``Schedule1F1B``; ``schedule="interleaved-1f1b"``
+with ``stages_per_rank=V`` puts stages r, r + W, ... on rank r of W (``ScheduleInterleaved1F1B``).
 
 What one step computes.  The batch (a function of (seed, step)) is cut into M equal consecutive microbatches
 (``split_microbatches``: microbatch m is rows [m*B/M, (m+1)*B/M)).  The last stage computes ``l_m = loss_fn(y_m,
@@ -27,6 +28,10 @@ Emulated numerics are those of one process doing that accumulation:
   backward (grad_output), in microbatch order, in both; the histories of different roles never read each other, so
   GPipe's F0 F1 .. B0 B1 and accumulation's F0 B0 F1 B1 record the same values.  A history of length L therefore
   covers L microbatches, L/M optimizer steps.
+* Each stage's gradient is the sum over microbatches in microbatch order, as accumulation sums it.  All three
+  schedules offered run a stage's forwards, and its backwards, in microbatch order.  torch's
+  ``ScheduleLoopedBFS`` runs the backwards in reverse order (the float32 gradient sums, and a grad_output amax
+  history, then differ from accumulation's in the last bit), so it is not offered.
 * Current (tensorwise, MX) scales are per microbatch tensor: amaxes over B/M rows instead of B.
 * A stochastic weight update (``Weights.update="stochastic"``) draws from (seed, step, parameter index); give the
   stage's optimizer ``param_index=pipeline.param_index`` so each parameter keeps its index in the whole model.
@@ -50,9 +55,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .._errors import UsageError
-from ._pp_split import split_microbatches, split_stages
+from ._pp_split import StageModule, split_microbatches, split_stages
 
-ScheduleName = Literal["gpipe", "1f1b"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -91,38 +97,54 @@ def _template(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format).requires_grad_(t.is_floating_point())
 
 
+def _check_layout(schedule: str, world: int, stages_per_rank: int, microbatches: int) -> None:
+    """UsageErrors for a schedule, stage count and microbatch count torch's schedules would refuse or hang on."""
+    for name, v in (("microbatches", microbatches), ("stages_per_rank", stages_per_rank)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(f"{name} must be a positive int; got {v!r}")
+    if schedule not in _SCHEDULES:
+        raise UsageError(f"schedule must be one of {', '.join(map(repr, _SCHEDULES))}; got {schedule!r}")
+    if schedule != "interleaved-1f1b" and stages_per_rank != 1:
+        raise UsageError(f"schedule {schedule!r} runs one stage per rank; got stages_per_rank = {stages_per_rank}: "
+                         "use schedule 'interleaved-1f1b' for several")
+    if schedule == "1f1b" and microbatches < world:
+        raise UsageError(f"schedule '1f1b' needs at least as many microbatches as stages ({world}); got "
+                         f"microbatches = {microbatches}: raise it or use schedule 'gpipe'")
+    rounds = max(1, microbatches // world)
+    if schedule == "interleaved-1f1b" and microbatches % rounds:
+        raise UsageError(f"schedule 'interleaved-1f1b' runs microbatches in rounds of {world} (the ranks); "
+                         f"microbatches = {microbatches} is not a multiple of {rounds} rounds: use a multiple of "
+                         f"{world}, or fewer than {world}")
+
+
 class Pipeline:
-    """This rank's stage of ``model`` and the schedule that trains it (module docstring).
+    """This rank's stages of ``model`` and the schedule that trains them (module docstring).
 
     ``model``: converted (``lowprec.convert``) before this call, identical on every rank (same seed).
-    ``split_points`` / ``order``: as ``split_stages``; without split points the chain is cut into as many stages
-    as the group has ranks, balanced by parameter count.  ``microbatches``: M per step (1F1B needs M >= stages).
+    ``split_points`` / ``order``: as ``split_stages``; without split points the chain is cut into ranks x
+    ``stages_per_rank`` stages balanced by parameter count.  ``microbatches``: M per step (1F1B needs M >= ranks).
     ``loss_fn(output, target)`` must reduce by mean (gradients are divided by M).  ``group``: the pipeline's process
-    group (default: the world); stage r runs on the group's rank r.
+    group (default: the world).  Stage s runs on the group's rank ``s % ranks``: one stage per rank for "gpipe" and
+    "1f1b", ``stages_per_rank`` of them (rank r: stages r, r + ranks, ...) for "interleaved-1f1b".
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn, microbatches: int, schedule: ScheduleName = "1f1b",
                  split_points: Sequence[str] | None = None, order: Sequence[str] | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 stages_per_rank: int = 1, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError("Pipeline needs a process group: call torch.distributed.init_process_group first (or "
                              "run under torchrun); use split_stages to inspect the stages without one")
-        if schedule not in ("gpipe", "1f1b"):
-            raise UsageError(f"schedule must be 'gpipe' or '1f1b'; got {schedule!r}")
-        self.group = group
-        self.n_stages = dist.get_world_size(group)
-        self.stage_index = dist.get_rank(group)
+        self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        _check_layout(schedule, self.world, stages_per_rank, microbatches)
+        self.n_stages = self.world * stages_per_rank
         stages = split_stages(model, n_stages=None if split_points is not None else self.n_stages,
                               split_points=split_points, order=order)
         if len(stages) != self.n_stages:
             raise UsageError(f"{len(stages)} stages from split_points {list(split_points or [])} but the pipeline "
-                             f"group has {self.n_stages} ranks; give {self.n_stages - 1} split points")
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise UsageError(f"microbatches must be a positive int; got {microbatches!r}")
-        if schedule == "1f1b" and microbatches < self.n_stages:
-            raise UsageError(f"schedule '1f1b' needs at least as many microbatches as stages ({self.n_stages}); "
-                             f"got microbatches = {microbatches}: raise it or use schedule 'gpipe'")
-        self._stages, self.module = stages, stages[self.stage_index]
+                             f"has {self.world} ranks x {stages_per_rank} stages per rank; give "
+                             f"{self.n_stages - 1} split points")
+        self.stage_indices = list(range(self.rank, self.n_stages, self.world))
+        self._stages, self.modules = stages, [stages[i] for i in self.stage_indices]
         self.loss_fn, self.microbatches, self.schedule_name = loss_fn, microbatches, schedule
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -134,42 +156,66 @@ class Pipeline:
         self._loss_scale = 1.0
 
     @property
+    def module(self) -> StageModule:
+        """This rank's stage (one stage per rank; ``modules`` lists several)."""
+        if len(self.modules) != 1:
+            raise UsageError(f"this rank holds {len(self.modules)} stages ({self.stage_indices}); use .modules")
+        return self.modules[0]
+
+    @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        """Whether this rank holds stage 0 (it feeds the inputs)."""
+        return self.stage_indices[0] == 0
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.n_stages - 1
+        """Whether this rank holds the last stage (it computes the loss)."""
+        return self.stage_indices[-1] == self.n_stages - 1
 
     def parameters(self) -> list[nn.Parameter]:
-        """This stage's trainable parameters (give these to the stage's optimizer, with ``param_index``)."""
-        return [p for p in self.module.parameters() if p.requires_grad]
+        """This rank's trainable parameters (give these to its optimizer, with ``param_index``)."""
+        seen: set[int] = set()
+        out = []
+        for m in self.modules:
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
-    def _metadata(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input, output) of this stage for microbatch 0, from stages 0..r in eval mode (records nothing)."""
-        modules = list(self._stages[0].modules()) + [m for s in self._stages[1:] for m in s.modules()]
+    def _metadata(self, inputs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(input, output) templates of each of this rank's stages for microbatch 0, from running stages 0 up to
+        the last local one in eval mode (which records nothing and advances no counter)."""
+        modules = [m for s in self._stages for m in s.modules()]
         modes = [m.training for m in modules]
-        x = split_microbatches(inputs, self.microbatches, what="inputs' batch")[0]
+        x = split_microbatches(inputs, self.microbatches, what="inputs' batch")[0].to(self.device)
+        out = []
         try:
             for m in modules:
                 m.training = False
             with torch.no_grad():
-                for stage in self._stages[: self.stage_index]:
-                    x = stage(x)
-                y = self.module(x)
+                for i, stage in enumerate(self._stages[: self.stage_indices[-1] + 1]):
+                    y = stage(x)
+                    if i in self.stage_indices:
+                        out.append((_template(x), _template(y)))
+                    x = y
         finally:
             for m, mode in zip(modules, modes, strict=True):
                 m.training = mode
-        return _template(x), _template(y)
+        return out
 
     def _build(self, inputs: torch.Tensor) -> object:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining.stage import _PipelineStageBase
 
-        x, y = self._metadata(inputs)
-        stage = PipelineStage(self.module, self.stage_index, self.n_stages, self.device, input_args=(x,),
-                              output_args=(y,), group=self.group)
+        metas = self._metadata(inputs)
+        stages: list[_PipelineStageBase] = [
+            PipelineStage(m, i, self.n_stages, self.device, input_args=(x,), output_args=(y,), group=self.group)
+            for m, i, (x, y) in zip(self.modules, self.stage_indices, metas, strict=True)]
+        if self.schedule_name == "interleaved-1f1b":
+            return ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=self._scaled_loss, scale_grads=True)
         cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
-        return cls(stage, self.microbatches, loss_fn=self._scaled_loss, scale_grads=True)
+        return cls(stages[0], self.microbatches, loss_fn=self._scaled_loss, scale_grads=True)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(output, target)
@@ -192,28 +238,30 @@ class Pipeline:
         args = (inputs.to(self.device),) if self.is_first else ()
         kwargs = {"target": targets.to(self.device), "losses": losses} if self.is_last else {}
         self._schedule.step(*args, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
-        loss = _mean_loss(losses, self._loss_scale) if self.is_last else torch.zeros((), dtype=torch.float32)
-        dist.broadcast(loss, src=self._src(self.n_stages - 1), group=self.group)
+        loss = (_mean_loss(losses, self._loss_scale) if self.is_last
+                else torch.zeros((), dtype=torch.float32, device=self.device))  # NCCL sends device tensors only
+        dist.broadcast(loss, src=self._src((self.n_stages - 1) % self.world), group=self.group)
         return loss
 
     def grads_finite(self) -> bool:
         """Whether every stage's gradients are finite (a MIN all-reduce over the group): with loss scaling, skip
         the step on every rank (``optimizer.zero_grad(); optimizer.scaler.update(False)``) when this is False."""
         ok = all(bool(torch.isfinite(p.grad).all()) for p in self.parameters() if p.grad is not None)
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
-    def _src(self, stage: int) -> int:
-        return stage if self.group is None else dist.get_global_rank(self.group, stage)
+    def _src(self, rank: int) -> int:
+        """The global rank of the group's rank ``rank``."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def clip_grad_norm_(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
         """The global L2 norm of every stage's gradients, divided by ``loss_scale``; gradients scaled down to
         ``max_norm`` where it is exceeded (0: no clipping).  As one process computes it: the norm of the vector of
         per-parameter norms in the whole model's parameter order (each stage fills its entries, a SUM all-reduce
         adds exact zeros elsewhere), so the norm and the clipped gradients are bitwise those of one process."""
-        norms = torch.zeros(self._n_params, dtype=torch.float32)
-        has = torch.zeros(self._n_params, dtype=torch.int32)
+        norms = torch.zeros(self._n_params, dtype=torch.float32, device=self.device)
+        has = torch.zeros(self._n_params, dtype=torch.int32, device=self.device)
         grads = []
         for i, p in zip(self.param_index, self.parameters(), strict=True):
             if p.grad is not None:
@@ -240,5 +288,5 @@ class Pipeline:
                 for t in [*stage.parameters(), *stage.buffers()]:
                     if id(t) not in seen:
                         seen.add(id(t))
-                        dist.broadcast(t.data, src=self._src(s), group=self.group)
+                        dist.broadcast(t.data, src=self._src(s % self.world), group=self.group)
 
