@@ -199,6 +199,24 @@ def _kahan_by_tensors(p: torch.Tensor, old: torch.Tensor, c: torch.Tensor, fmt: 
         return t, lowprec.quantize((t - old) - y, fmt)
 
 
+@pytest.mark.parametrize("saturate", [False, True])
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
+def test_unscaled_operand_specs_take_the_float_route_with_the_kernels_bits(fmt: str, saturate: bool) -> None:
+    """An unscaled round-to-nearest spec (the bf16 / fp16 recipes' GEMM operands) quantized by ``_eager_fast``:
+    the float route where every value is finite and in range, the grouped kernel where NaN, inf or overflow is
+    present; both against the tensor route, with values past max in the second case."""
+    spec = QuantSpec(elem=fmt, scaling="none", saturate=saturate)
+    x = _varied((64, 96), 3)
+    in_range = x.clamp(-formats.get(fmt).max, formats.get(fmt).max)
+    special = in_range.clone()
+    special.view(-1)[7:10] = torch.tensor([float("nan"), float("-inf"), 3e38])
+    for t in (in_range, special, in_range.t()):
+        got = fake_quantize_tensors(t, spec)
+        with _backend.fast_paths(False):
+            want = fake_quantize_tensors(t, spec)
+        assert_bitwise_equal(got, want, context=f"{fmt} saturate={saturate} {t.stride()}")
+
+
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("fmt", ["bfloat16", "tf32", "float16", "float8_e4m3fn", "int8"])
 def test_rounding_in_place_matches_the_tensor_route(fmt: str, rounding: str) -> None:

@@ -74,9 +74,10 @@ static inline float pow2f(int32_t k)
 static inline __attribute__((always_inline)) float q_elem_k(float v, const lp_elem *e, uint32_t rb, const int KIND,
                                                             const int ROUND_FIN)
 {
-    /* ROUND_FIN 5 / 6: stochastic / nearest rounding of values the caller knows to be finite (no special-value
-     * rules: the loops calling it vectorize, which those with the special-value selects do not) */
-    const int FIN = ROUND_FIN == 5 || ROUND_FIN == 6, ROUND = ROUND_FIN == 5 ? 2 : (ROUND_FIN == 6 ? 0 : ROUND_FIN);
+    /* ROUND_FIN 5 / 6 / 7: stochastic / nearest / toward-zero rounding of values the caller knows to be finite (no
+     * special-value rules: the loops calling it vectorize, which those with the special-value selects do not) */
+    const int FIN = ROUND_FIN >= 5 && ROUND_FIN <= 7;
+    const int ROUND = ROUND_FIN == 5 ? 2 : (ROUND_FIN == 6 ? 0 : (ROUND_FIN == 7 ? 1 : ROUND_FIN));
     if (KIND == 0) return v;
     uint32_t bits = f2u(v), a = bits & 0x7fffffffu;
     int finite = FIN || a < 0x7f800000u;
@@ -396,6 +397,8 @@ LP_SEG_K(1, 4, 1)
 LP_SEG_K(2, 4, 0)
 LP_SEG_K(2, 4, 1)
 LP_SEG_K(0, 5, 0)
+LP_SEG_K(0, 6, 0)
+LP_SEG_K(0, 7, 0)
 LP_SEG_K(1, 5, 0)
 LP_SEG_K(1, 5, 1)
 LP_SEG_K(2, 5, 0)
@@ -410,6 +413,8 @@ static const seg_fn COLS[4][3][2] = {LP_ROW(0, 0), LP_ROW(1, 1), LP_ROW(2, 1), L
 /* stochastic rounding of finite scaled values (ROUND_FIN 5), [rule][kind] */
 #define LP_ROW(RULE, PC) {seg_##RULE##51##PC, seg_##RULE##52##PC}
 static const seg_fn SEGS_FIN[4][2] = {LP_ROW(0, 0), LP_ROW(1, 0), LP_ROW(2, 0), LP_ROW(3, 0)};
+/* unscaled rounding of finite values, [rounding: nearest, toward zero, stochastic][kind] */
+static const seg_fn UNSCALED_FIN[3][2] = {{seg_0610, seg_0620}, {seg_0710, seg_0720}, {seg_0510, seg_0520}};
 static const seg_fn COLS_FIN[4][2] = {{0, 0}, LP_ROW(1, 1), LP_ROW(2, 1), LP_ROW(3, 1)};
 #undef LP_ROW
 #undef LP_SEG_R
@@ -484,9 +489,9 @@ static __attribute__((noinline)) void seg_sr_wide(const float *x, float *y, int6
     }
 }
 
-/* Unscaled stochastic rounding of n elements: pieces of 1024, each by the loop without special-value rules where
- * the piece is finite (one integer max over its bits, which also brings it into cache), else the full loop. */
-static void unscaled_sr(const float *x, float *y, int64_t n, const lp_elem *e, seg_fn full, seg_fn fin, uint32_t cnt,
+/* Unscaled rounding of n elements: pieces of 1024, each by the loop without special-value rules where the piece is
+ * finite (one integer max over its bits, which also brings it into cache), else the full loop. */
+static void unscaled_pieces(const float *x, float *y, int64_t n, const lp_elem *e, seg_fn full, seg_fn fin, uint32_t cnt,
                         uint32_t cstep, uint32_t k1, uint32_t k2)
 {
     const uint32_t *xb = (const uint32_t *)(const void *)x;
@@ -579,11 +584,10 @@ int lp_group_fake(const float *x, float *y, int64_t B, int64_t R, int64_t C, int
                 const float *xr = x + (b * R + r) * ld;
                 float *yr = y + (b * R + r) * ld;
                 uint32_t cnt = off + (uint32_t)((uint64_t)b * (uint64_t)sb + (uint64_t)r * (uint64_t)sr);
-                if (rule == 0 && rnd == 2) {
-                    seg_fn fin = kind == 0 && e->emin <= -126 && e->mbits >= 1 ? seg_sr_wide : SEGS_FIN[0][kind];
-                    unscaled_sr(xr, yr, C, e, seg, fin, cnt, (uint32_t)sc, k1, k2);
-                } else if (rule == 0) {
-                    seg(xr, yr, C, e, 1.0f, 1.0f, 0, 0, cnt, (uint32_t)sc, k1, k2);
+                if (rule == 0) {
+                    int wide = rnd == 2 && kind == 0 && e->emin <= -126 && e->mbits >= 1;
+                    unscaled_pieces(xr, yr, C, e, seg, wide ? seg_sr_wide : UNSCALED_FIN[rnd][kind], cnt, (uint32_t)sc,
+                                    k1, k2);
                 } else if (gc == 1 && nc > 1) {
                     col(xr, yr, C, e, 0.0f, 0.0f, qs, deq, cnt, (uint32_t)sc, k1, k2);
                 } else if (nc > 1) {

@@ -268,6 +268,14 @@ def _eager_fast(x: torch.Tensor, spec: QuantSpec, keys: torch.Tensor | None, off
         y = _tensorwise_fast(x, spec, amax, native_only=not _backend.runs_eager(n))
         if y is not None:
             return y
+    elif spec.scaling == "none" and spec.rounding == "nearest" and x.dtype == torch.float32:
+        # unscaled round to nearest (bf16 / fp16 operands): the float route, one fused pass after one max pass
+        # (half the time of the grouped kernel's integer loop); None where NaN or inf or overflow is present
+        fmt = spec.format
+        if fast_round_ok(fmt, "nearest"):
+            y = round_nearest_fast(x, fmt, saturate=spec.saturate, native_only=not _backend.runs_eager(n))
+            if y is not None:
+                return y
     return _native_group.fake(x, spec, keys, off) if amax is None else None
 
 
