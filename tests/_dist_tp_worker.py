@@ -10,6 +10,7 @@ needs no extra launch.  Writes ``rank<r>.json`` into the output directory with, 
   in one process: whether the gathered parameters start equal, per-step losses (float.hex), the largest parameter
   difference after the last step in units of the learning rate, and the bytes the TP collectives sent;
 * ``wire``: a colwise layer whose input-gradient partial sums are sent as float32, bf16 and fp8 (``GradComm``);
+* ``optim``: ``bf16-sr``'s stochastic weight update on TP-sharded parameters against one process;
 * ``llama``: a transformers Llama through ``llama_plan`` (``gpt``'s fields);
 * ``doc``: the docs example (20 steps of TP=2 with sequence parallelism, fp8-delayed), run first.
 """
@@ -25,10 +26,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import lowprec
 from lowprec.distributed import EmulatedColwiseParallel, EmulatedRowwiseParallel, tensor_parallel, tp_stats
 from lowprec.distributed._fsdp import sync_amax_histories
+from lowprec.optim import LowPrecisionOptimizer
 from lowprec.quant import QuantSpec
 from lowprec.recipes import GradComm
 from lowprec.runs.zoo import get_task
@@ -112,8 +116,26 @@ def wire_case(recipe: str, mesh: object) -> dict[str, object]:
     return out
 
 
-def _train(model: torch.nn.Module, task: object, group: object | None) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+def optim_case(mesh: object) -> dict[str, object]:
+    """One ``LowPrecisionOptimizer`` step of ``bf16-sr`` (stochastic weight update) on a parameter sharded as tensor
+    parallelism shards it (rows, columns, q/k/v strided rows) and on the same parameter in one process: whether
+    the gathered result is bit for bit the same (the draws are indexed by global element)."""
+    out: dict[str, object] = {}
+    for name, place in (("shard0", Shard(0)), ("shard1", Shard(1)), ("strided", _StridedShard(0, split_factor=3))):
+        g = torch.Generator().manual_seed(3)
+        w, grad = torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g) * 1e-3
+        ref = torch.nn.Parameter(w.clone())
+        ref.grad = grad.clone()
+        shard = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [place]))  # type: ignore[arg-type]
+        shard.grad = distribute_tensor(grad.clone(), mesh, [place])  # type: ignore[arg-type]
+        for p in (ref, shard):
+            LowPrecisionOptimizer(torch.optim.SGD([p], lr=1.0), "bf16-sr").step()
+        out[name] = bool(torch.equal(shard.full_tensor(), ref.detach()))
+    return out
+
+
+def _train(model: torch.nn.Module, task: object, group: object | None, recipe: str) -> list[float]:
+    opt = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, foreach=False), recipe)
     losses = []
     for step in range(STEPS):
         idx, tgt = task.train_batch(step)  # type: ignore[attr-defined]
@@ -136,9 +158,9 @@ def gpt_case(recipe: str, sp: bool, mesh: object) -> dict[str, object]:
     ref_p = dict(ref.named_parameters())
     init_equal = all(torch.equal(_full(p), ref_p[n].detach()) for n, p in tp_model.named_parameters())
     t0 = time.perf_counter()
-    ref_losses = _train(ref, task, None)
+    ref_losses = _train(ref, task, None, recipe)
     t1 = time.perf_counter()
-    tp_losses = _train(tp_model, task, mesh.get_group())  # type: ignore[attr-defined]
+    tp_losses = _train(tp_model, task, mesh.get_group(), recipe)  # type: ignore[attr-defined]
     t2 = time.perf_counter()
     worst = max(float((_full(p) - ref_p[n].detach()).abs().max()) for n, p in tp_model.named_parameters())
     return {"ref_losses": [v.hex() for v in ref_losses], "tp_losses": [v.hex() for v in tp_losses],
@@ -158,7 +180,7 @@ def doc_example() -> dict[str, object]:
     x, y = fresh.train_batch(0)
     with torch.no_grad():
         initial = float(fresh.loss_fn(fresh.model(x), y))
-    return {"final_loss": float(scope["loss"]), "initial_loss": initial}  # type: ignore[arg-type]
+    return {"final_loss": float(scope["loss"].detach()), "initial_loss": initial}  # type: ignore[attr-defined]
 
 
 def llama(recipe: str) -> torch.nn.Module:
@@ -204,7 +226,9 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = []
     for recipe, kind in cases:
-        if kind == "llama":
+        if kind == "optim":
+            results.append({"recipe": recipe, "kind": kind, **optim_case(mesh)})
+        elif kind == "llama":
             results.append({"recipe": recipe, "kind": kind, **llama_case(recipe, mesh)})
         elif kind == "wire":
             results.append({"recipe": recipe, "kind": kind, **wire_case(recipe, mesh)})

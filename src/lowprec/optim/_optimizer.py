@@ -53,6 +53,37 @@ def _local(p: torch.Tensor) -> tuple[torch.Tensor, int]:
     return p.to_local(), int(offset[0]) * row if offset else 0
 
 
+def _row_block(p: torch.Tensor) -> bool:
+    """Whether ``p``'s local part is one block of whole rows of the full parameter (a plain tensor, replicated,
+    or sharded on dim 0 only, as FSDP2 shards), so that ``_local``'s single offset indexes it."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(p, DTensor):
+        return True
+    return all(type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0) for pl in p.placements)
+
+
+def _global_index(p: torch.Tensor) -> torch.Tensor:
+    """The flat index in the full parameter of every element of DTensor ``p``'s local shard (int64, local shape):
+    ``distribute_tensor`` of ``arange`` with each rank keeping its own part (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    full = torch.arange(p.numel(), dtype=torch.int64, device=p.device).view(p.shape)
+    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()  # type: ignore[attr-defined]
+
+
+def _sr_scattered(p: torch.Tensor, index: torch.Tensor, numel: int, fmt: str, seed: int) -> None:
+    """Stochastic rounding in place of a shard that is not a block of rows (tensor parallelism's column and
+    strided shards): the values are placed at their global positions (``index``) in a zero vector of the full
+    parameter's ``numel``, rounded there with counters from 0 and read back, so every element draws the counter
+    of its index in the full parameter, as without sharding (the format is elementwise: the zeros change
+    nothing else).  Costs a full-size vector per such parameter and step."""
+    full = p.new_zeros(numel)
+    full[index.reshape(-1)] = p.reshape(-1)
+    q = quantize(full, fmt, rounding="stochastic", seed=seed, offset=0)
+    p.copy_(q[index.reshape(-1)].view_as(p))
+
+
 class LowPrecisionOptimizer:
     """Wraps ``optimizer`` with ``recipe``'s policies.  Use ``scale_loss(loss).backward()`` then ``step()``.
 
@@ -76,6 +107,7 @@ class LowPrecisionOptimizer:
         self.scaler = LossScaler(self.recipe.loss_scaling)
         self.steps = 0
         self.compensation: dict[int, torch.Tensor] = {}
+        self._index: dict[int, torch.Tensor] = {}  # global element indices of column/strided shards (_global_index)
         w = self.recipe.weights
         if w.update != "master":
             with torch.no_grad():
@@ -136,6 +168,11 @@ class LowPrecisionOptimizer:
             elif w.update == "stochastic":
                 index = i if self.param_index is None else self.param_index[i]
                 seed = stream_seed(self.recipe.seed, "weight-update", str(self.steps), str(index))
+                if not _row_block(param):  # a column or strided (tensor-parallel) shard: no single offset
+                    if i not in self._index:
+                        self._index[i] = _global_index(param)
+                    _sr_scattered(p, self._index[i], param.numel(), w.format, seed)
+                    continue
                 if not quantize_in_place(p, formats.get(w.format), "stochastic", seed, offset):
                     p.copy_(quantize(p, w.format, rounding="stochastic", seed=seed, offset=offset))
             else:  # kahan
