@@ -11,6 +11,7 @@ its JSON is parsed once per module.  The tests without torchrun (errors, composi
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,49 @@ def test_layout_errors(schedule: str, world: int, per_rank: int, microbatches: i
     assert words in str(e.value)
     _check_layout("interleaved-1f1b", 4, 2, 8)  # fine: 2 rounds of 4
     _check_layout("gpipe", 4, 1, 1)
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A 1-process gloo group for this test only (the pipeline machinery without torchrun: every stage on rank 0)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule, per_rank", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_one_rank_pipeline_equals_accumulation(one_rank: None, schedule: str, per_rank: int) -> None:
+    """Oracle: accumulate_step on a second copy.  mxfp4 (stochastic gradients): losses, gradients and lp_step bit
+    for bit over two steps; the global-norm clipping equals the runner's."""
+    from lowprec.runs._runner import _grad_norm_and_clip
+
+    a, b = _gpt("mxfp4"), _gpt("mxfp4")
+    pipe = Pipeline(a, loss_fn=lm_loss, microbatches=4, schedule=schedule, stages_per_rank=per_rank)
+    assert pipe.is_first and pipe.is_last and len(pipe.modules) == per_rank
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        x, y = torch.randint(0, 256, (8, 16), generator=g), torch.randint(0, 256, (8, 16), generator=g)
+        assert torch.equal(pipe.step(x, y), accumulate_step(b, x, y, lm_loss, microbatches=4))
+        assert pipe.grads_finite()
+        assert pipe.clip_grad_norm_(0.1) == _grad_norm_and_clip(list(b.parameters()), 1.0, 0.1)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    steps = {n: int(t) for n, t in a.named_buffers() if n.endswith("lp_step")}
+    assert steps and set(steps.values()) == {8} and steps == {n: int(t) for n, t in b.named_buffers()
+                                                               if n.endswith("lp_step")}
+
+
+def test_pipeline_layout_errors_with_a_group(one_rank: None) -> None:
+    with pytest.raises(lowprec.UsageError, match="2 stages from split_points .* give 0 split points"):
+        Pipeline(_gpt(), loss_fn=lm_loss, microbatches=4, split_points=["blocks.1"])
+    pipe = Pipeline(_gpt(), loss_fn=lm_loss, microbatches=4, schedule="interleaved-1f1b", stages_per_rank=2)
+    with pytest.raises(lowprec.UsageError, match="holds 2 stages"):
+        _ = pipe.module
+    with pytest.raises(lowprec.UsageError, match="does not divide the inputs' batch size 6"):
+        pipe.step(torch.zeros(6, 16, dtype=torch.int64), torch.zeros(6, 16, dtype=torch.int64))
 
 
 def test_accumulate_step_with_one_microbatch_is_a_plain_step() -> None:

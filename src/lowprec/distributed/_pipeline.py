@@ -20,8 +20,9 @@ mean-reduced loss function differs by rounding, and every per-tensor statistic d
 Emulated numerics are those of one process doing that accumulation:
 
 * ``lp_step`` (an ``EmulatedLinear``'s stochastic-rounding step counter) advances once per training forward, so a
-  stage advances it M times per optimizer step, as accumulation does, and both schedules run the forwards of
-  microbatches 0..M-1 in order: forward m draws the random bits of counter value (steps so far)*M + m + 1 in both.
+  stage advances it M times per optimizer step, as accumulation does, and every schedule offered runs the forwards
+  of microbatches 0..M-1 in order: forward m draws the random bits of counter value (steps so far)*M + m + 1 in
+  both.
   A backward reuses the keys of its own forward, so when 1F1B runs it does not matter.  (One process on the whole
   batch advances once per step: its random bits differ.)
 * Delayed-scaling amax histories record one entry per microbatch forward (input, weight) and per microbatch
@@ -38,10 +39,10 @@ Emulated numerics are those of one process doing that accumulation:
 
 Static stage metadata.  torch's dynamic shape inference runs one extra forward and backward of every stage on
 ``torch.empty`` inputs, which would advance ``lp_step`` and record uninitialised values in the amax histories.  So
-``step`` works the shapes out itself on its first call: microbatch 0 through stages 0..r in eval mode under
-``no_grad`` (eval mode records nothing and advances no counter), and hands them to ``PipelineStage`` as
-``input_args`` / ``output_args``.  Every rank therefore passes the inputs (and the last one the targets) to
-``step``; runs build the same batch on every rank from (seed, step) anyway.
+``step`` works the shapes out itself on its first call: microbatch 0 through the stages up to this rank's last in
+eval mode under ``no_grad`` (eval mode records nothing and advances no counter), and hands them to
+``PipelineStage`` as ``input_args`` / ``output_args``.  Every rank therefore passes the inputs (and the last one the
+targets) to ``step``; runs build the same batch on every rank from (seed, step) anyway.
 """
 
 from __future__ import annotations
