@@ -9,6 +9,7 @@ needs no extra launch.  Writes ``rank<r>.json`` into the output directory with, 
 * ``gpt``: the zoo's TinyGPT trained for ``STEPS`` AdamW steps with TP=2 (``sp``: with sequence parallelism) and
   in one process: whether the gathered parameters start equal, per-step losses (float.hex), the largest parameter
   difference after the last step in units of the learning rate, and the bytes the TP collectives sent;
+* ``gpt_wire``: ``gpt`` with the recipe's ``grad_comm`` (bf16) on the input-gradient partial sums;
 * ``wire``: a colwise layer whose input-gradient partial sums are sent as float32, bf16 and fp8 (``GradComm``);
 * ``optim``: ``bf16-sr``'s stochastic weight update on TP-sharded parameters against one process;
 * ``llama``: a transformers Llama through ``llama_plan`` (``gpt``'s fields);
@@ -17,6 +18,7 @@ needs no extra launch.  Writes ``rank<r>.json`` into the output directory with, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -149,12 +151,17 @@ def _train(model: torch.nn.Module, task: object, group: object | None, recipe: s
     return losses
 
 
-def gpt_case(recipe: str, sp: bool, mesh: object) -> dict[str, object]:
+def gpt_case(name: str, sp: bool, mesh: object, wire: bool = False) -> dict[str, object]:
+    """``wire``: the recipe with ``grad_comm`` bf16, which ``tensor_parallel(recipe=...)`` applies to the colwise
+    input-gradient partial sums."""
+    recipe = lowprec.recipes.get(name)
+    if wire:
+        recipe = dataclasses.replace(recipe, grad_comm=GradComm(spec=WIRES["bf16"]))
     task = get_task("gpt-bytes", seed=0, **GPT)
     ref = lowprec.convert(task.model, recipe)
     tp_model = lowprec.convert(get_task("gpt-bytes", seed=0, **GPT).model, recipe)
     tp_model.load_state_dict(ref.state_dict())
-    tensor_parallel(tp_model, mesh, sequence_parallel=sp)  # type: ignore[arg-type]
+    tensor_parallel(tp_model, mesh, sequence_parallel=sp, recipe=recipe)  # type: ignore[arg-type]
     ref_p = dict(ref.named_parameters())
     init_equal = all(torch.equal(_full(p), ref_p[n].detach()) for n, p in tp_model.named_parameters())
     t0 = time.perf_counter()
@@ -235,7 +242,8 @@ def main() -> None:
         elif kind == "layer":
             results.append({"recipe": recipe, "kind": kind, **layer_case(recipe, mesh, rank)})
         else:
-            results.append({"recipe": recipe, "kind": kind, **gpt_case(recipe, kind == "gpt_sp", mesh)})
+            results.append({"recipe": recipe, "kind": kind,
+                            **gpt_case(recipe, kind == "gpt_sp", mesh, wire=kind == "gpt_wire")})
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cases": results, "doc": doc}))
     dist.destroy_process_group()
 

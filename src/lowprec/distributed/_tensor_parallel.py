@@ -35,9 +35,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .. import recipes
 from .._errors import UsageError
 from ..nn import EmulatedLinear
-from ..recipes import GradComm
+from ..recipes import GradComm, Recipe
 from . import _tp_comm as comm
 from ._fsdp_gather import check_gather_spec
 from ._tp_linear import _SHARDED, ColwiseFn, RowwiseFn, TPInfo
@@ -315,11 +316,16 @@ def llama_plan(model: nn.Module, *, tp: int, grad_comm: GradComm | None = None) 
 
 
 def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, ParallelStyle] | None = None,
-                    sequence_parallel: bool = False, grad_comm: GradComm | None = None) -> nn.Module:
+                    sequence_parallel: bool = False, grad_comm: GradComm | None = None,
+                    recipe: Recipe | str | None = None) -> nn.Module:
     """Apply ``plan`` (default: ``gpt_plan`` for a TinyGPT, ``llama_plan`` for a model with Llama projection
-    names) over the 1-D TP ``mesh`` with ``parallelize_module``; returns ``model``.  After every backward call
-    ``sync_amax_histories(model, mesh.get_group())`` when the recipe uses delayed scaling."""
+    names) over the 1-D TP ``mesh`` with ``parallelize_module``; returns ``model``.  ``grad_comm``: the wire format
+    of the input-gradient partial sums (default: ``recipe.grad_comm`` where a recipe is given, else float32).
+    After every backward call ``sync_amax_histories(model, mesh.get_group())`` when the recipe uses delayed
+    scaling."""
     tp = _mesh_size(mesh, None, "tensor_parallel")
+    if grad_comm is None and recipe is not None:
+        grad_comm = recipes.get(recipe).grad_comm
     if plan is None:
         if isinstance(getattr(model, "blocks", None), nn.ModuleList):
             plan = gpt_plan(model, tp=tp, sequence_parallel=sequence_parallel, grad_comm=grad_comm)
