@@ -3,11 +3,11 @@
 argv: output directory, JSON list of cases ``[model, recipe, schedule]``: schedule "gpipe" / "1f1b", or the
 one-process baselines "accum" (gradient accumulation over the same microbatches) and "whole" (the whole batch in one
 forward), run on every rank; "-clip" appended: global gradient-norm clipping; controls "1f1b-dynamic" (torch's
-dynamic stage metadata) and "1f1b-noindex" (the stage optimizer without ``param_index``).  After training, a
-pipeline case syncs the whole model to every rank (``sync_model``) and digests it.  Writes ``rank<r>.json`` with,
-per case: per-step losses (float.hex), and for every parameter and buffer (``lp_step``, amax histories) the rank's
-stage holds (all of them for a baseline) a sha256 digest by its name in the whole model; amax histories also as
-lists.
+dynamic stage metadata), "1f1b-noindex" (the stage optimizer without ``param_index``) and "-group" (a new process
+group object instead of the default group).  After training, a pipeline case syncs the whole model to every rank
+(``sync_model``) and digests it.  Writes ``rank<r>.json`` with, per case: per-step losses (float.hex), and for every
+parameter and buffer (``lp_step``, amax histories) the rank's stages hold (all of them for a baseline) a sha256
+digest by its name in the whole model; amax histories also as lists.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ STEPS = 3
 MICROBATCHES = 4
 BATCH = 16
 CLIP = 0.1  # "-clip" cases: global gradient norm clipped to this (the runner's _grad_norm_and_clip in one process)
-VARIANTS = ("-clip", "-dynamic", "-noindex")
+VARIANTS = ("-clip", "-dynamic", "-noindex", "-group")
 INTERLEAVED = {"gpt": {"split_points": ["blocks.0", "blocks.1", "ln_f"]},  # 4 stages, 2 per rank
                "mlp": {"order": ["layers.0", "act", "layers.1", "act", "head"]}}  # the default balanced split
 EVALUATE = {("gpt", "fp8-delayed"), ("mlp", "mxfp4")}  # cases that also report the task's evaluation
@@ -103,6 +103,8 @@ def run_case(model_key: str, recipe_name: str, schedule: str) -> dict[str, objec
                 **{k: f(model) for k, f in evaluation.items()}}
     if kind == "interleaved-1f1b":
         split = {**INTERLEAVED[model_key], "stages_per_rank": 2}
+    if variant == "group":  # the pipeline on a process group object of its own (a device mesh's "pp" dimension)
+        split = {**split, "group": dist.new_group([0, 1])}
     pipe = Pipeline(model, loss_fn=task.loss_fn, microbatches=MICROBATCHES, schedule=kind, **split)
     if variant == "dynamic":  # control: torch's dynamic metadata inference instead of Pipeline's static metadata
         stage = PipelineStage(pipe.module, pipe.rank, pipe.n_stages, pipe.device)

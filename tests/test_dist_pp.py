@@ -31,6 +31,7 @@ RECIPES = ("fp32", "bf16", "fp8-tensorwise", "mxfp8", "bf16-sr", "fp8-delayed", 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # interleaved: 4 stages, 2 per rank
 CASES = [[m, r, s] for m in MODELS for r in RECIPES for s in ("accum", "whole", *SCHEDULES)]
 CASES += [["mlp", "mxfp4", "1f1b-dynamic"], ["mlp", "fp8-delayed", "1f1b-dynamic"], ["gpt", "bf16-sr", "1f1b-noindex"]]
+CASES += [["gpt", "fp8-delayed", "1f1b-group"], ["gpt", "fp8-delayed", "interleaved-1f1b-group"]]
 CLIP = 0.1  # as in the worker
 CLIPPED = [("gpt", "fp8-tensorwise", "1f1b"), ("mlp", "bf16-sr", "gpipe")]  # global-norm clipping at CLIP
 CASES += [[m, r, s] for m, r, sched in CLIPPED for s in ("accum-clip", f"{sched}-clip")]
@@ -194,6 +195,19 @@ def test_sync_model_makes_the_whole_model_current_on_every_rank(dist_run: dict, 
     recipe = "fp8-delayed" if model == "gpt" else "mxfp4"
     for rank in (0, 1):
         assert dist_run[rank][(model, recipe, schedule)]["eval"] == dist_run[rank][(model, recipe, "accum")]["eval"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_pipeline_on_its_own_process_group(dist_run: dict, schedule: str) -> None:
+    """``group=`` a new group object (what a device mesh's "pp" dimension hands over): the same bits as on the
+    default group.  Here it holds the same two ranks, so this checks that every collective and send goes through the
+    group, not the translation of group ranks to global ones (that needs more than 2 processes)."""
+    for rank in (0, 1):
+        own, default = dist_run[rank][("gpt", "fp8-delayed", f"{schedule}-group")], \
+            dist_run[rank][("gpt", "fp8-delayed", schedule)]
+        assert own["losses"] == default["losses"] and own["params"] == default["params"]
+        assert own["synced"] == default["synced"]
 
 
 @pytest.mark.slow
