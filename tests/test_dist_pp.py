@@ -361,6 +361,7 @@ def test_one_rank_pipeline_equals_accumulation(one_rank: None, schedule: str, pe
     a, b = _gpt("mxfp4"), _gpt("mxfp4")
     pipe = Pipeline(a, loss_fn=lm_loss, microbatches=4, schedule=schedule, stages_per_rank=per_rank)
     assert pipe.is_first and pipe.is_last and len(pipe.modules) == per_rank
+    assert pipe.param_index == list(range(pipe.n_params)) == list(range(len(list(a.parameters()))))
     g = torch.Generator().manual_seed(4)
     for _ in range(2):
         x, y = torch.randint(0, 256, (8, 16), generator=g), torch.randint(0, 256, (8, 16), generator=g)

@@ -164,6 +164,12 @@ class Pipeline:
         return self.modules[0]
 
     @property
+    def n_params(self) -> int:
+        """The number of trainable parameters of the whole model (``param_index`` values lie in ``range(n_params)``;
+        an optimizer state gathered from every stage has this many entries)."""
+        return self._n_params
+
+    @property
     def is_first(self) -> bool:
         """Whether this rank holds stage 0 (it feeds the inputs)."""
         return self.stage_indices[0] == 0
