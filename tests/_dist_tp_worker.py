@@ -11,6 +11,7 @@ needs no extra launch.  Writes ``rank<r>.json`` into the output directory with, 
   difference after the last step in units of the learning rate, and the bytes the TP collectives sent;
 * ``gpt_wire``: ``gpt`` with the recipe's ``grad_comm`` (bf16) on the input-gradient partial sums;
 * ``wire``: a colwise layer whose input-gradient partial sums are sent as float32, bf16 and fp8 (``GradComm``);
+* ``dcp``: distributed checkpoints from TP=2 to TP=2 and one process, and from one process to TP=2;
 * ``optim``: ``bf16-sr``'s stochastic weight update on TP-sharded parameters against one process;
 * ``llama``: a transformers Llama through ``llama_plan`` (``gpt``'s fields);
 * ``doc``: the docs example (20 steps of TP=2 with sequence parallelism, fp8-delayed), run first.
@@ -136,6 +137,46 @@ def optim_case(mesh: object) -> dict[str, object]:
     return out
 
 
+def dcp_case(recipe: str, mesh: object, out_dir: Path) -> dict[str, object]:
+    """Distributed checkpoints across layouts: a TP=2 TinyGPT saved with ``torch.distributed.checkpoint`` and
+    loaded into another TP=2 model and (rank 0, no process group) into a one-process model, and a one-process
+    checkpoint loaded into a TP=2 model: whether every parameter comes back bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = {**GPT, "layers": 1}
+
+    def fresh(seed: int) -> torch.nn.Module:
+        return lowprec.convert(get_task("gpt-bytes", seed=seed, **cfg).model, recipe)
+
+    def equal(model: torch.nn.Module, ref: dict[str, torch.Tensor]) -> bool:
+        return all(torch.equal(_full(p), ref[n]) for n, p in model.named_parameters())
+
+    src = fresh(0)
+    ref = {n: p.detach().clone() for n, p in src.named_parameters()}
+    tensor_parallel(src, mesh)  # type: ignore[arg-type]
+    dcp.save(src.state_dict(), checkpoint_id=out_dir / "tp2")
+    out: dict[str, object] = {}
+    tp2 = tensor_parallel(fresh(1), mesh)  # type: ignore[arg-type]
+    state = tp2.state_dict()
+    dcp.load(state, checkpoint_id=out_dir / "tp2")
+    tp2.load_state_dict(state)
+    out["tp2_to_tp2"] = equal(tp2, ref)
+    if dist.get_rank() == 0:
+        one = fresh(1)
+        state = one.state_dict()
+        dcp.load(state, checkpoint_id=out_dir / "tp2", no_dist=True)
+        one.load_state_dict(state)
+        out["tp2_to_tp1"] = equal(one, ref)
+        dcp.save(fresh(0).state_dict(), checkpoint_id=out_dir / "tp1", no_dist=True)
+    dist.barrier()
+    tp2b = tensor_parallel(fresh(1), mesh)  # type: ignore[arg-type]
+    state = tp2b.state_dict()
+    dcp.load(state, checkpoint_id=out_dir / "tp1")
+    tp2b.load_state_dict(state)
+    out["tp1_to_tp2"] = equal(tp2b, ref)
+    return out
+
+
 def _train(model: torch.nn.Module, task: object, group: object | None, recipe: str) -> list[float]:
     opt = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, foreach=False), recipe)
     losses = []
@@ -233,7 +274,9 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results = []
     for recipe, kind in cases:
-        if kind == "optim":
+        if kind == "dcp":
+            results.append({"recipe": recipe, "kind": kind, **dcp_case(recipe, mesh, out_dir)})
+        elif kind == "optim":
             results.append({"recipe": recipe, "kind": kind, **optim_case(mesh)})
         elif kind == "llama":
             results.append({"recipe": recipe, "kind": kind, **llama_case(recipe, mesh)})

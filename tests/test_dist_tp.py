@@ -33,7 +33,7 @@ SP_RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "m
 LLAMA_RECIPES = ["fp32", "bf16", "fp8-tensorwise"] if importlib.util.find_spec("transformers") else []
 GPT_CASES = [(r, "gpt") for r in [*RECIPES, "bf16-sr"]] + [(r, "gpt_sp") for r in SP_RECIPES]
 CASES = ([(r, "layer") for r in RECIPES] + GPT_CASES
-         + [("fp8-tensorwise", "gpt_wire"), ("fp8-tensorwise", "wire"), ("bf16-sr", "optim")]
+         + [("fp8-tensorwise", "gpt_wire"), ("fp8-tensorwise", "wire"), ("bf16-sr", "optim"), ("mxfp8", "dcp")]
          + [(r, "llama") for r in LLAMA_RECIPES])
 
 # Results whose arithmetic is the single-process arithmetic on the same quantized values are compared bit for
@@ -360,3 +360,14 @@ def test_recipe_grad_comm_names_the_tp_gradient_wire(dist_run: dict) -> None:
     assert dist_run[("fp8-tensorwise", "gpt")][0]["stats"]["reduce_bytes"] == 3 * 2 * (4 * elems * 4)
     assert case["tp_losses"][0] == case["ref_losses"][0]
     assert _rel(case["tp_losses"], case["ref_losses"]) <= GPT_WIRE_LOSS_REL, case
+
+
+@pytest.mark.slow
+def test_distributed_checkpoints_reshard_across_tp_layouts(dist_run: dict) -> None:
+    """TinyGPT's TP=2 parameters (Shard(0), Shard(1) and the fused qkv's strided rows, which ``state_dict`` gives
+    as full tensors) saved with torch.distributed.checkpoint load bit for bit into TP=2 and into one process, and a
+    one-process checkpoint into TP=2."""
+    keys = ("tp2_to_tp2", "tp2_to_tp1", "tp1_to_tp2")
+    r0, r1 = dist_run[("mxfp8", "dcp")][0], dist_run[("mxfp8", "dcp")][1]
+    assert {k: r0.get(k) for k in keys} == dict.fromkeys(keys, True), r0
+    assert r1["tp2_to_tp2"] and r1["tp1_to_tp2"], r1

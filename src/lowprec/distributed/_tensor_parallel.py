@@ -3,7 +3,8 @@
 ``EmulatedColwiseParallel`` and ``EmulatedRowwiseParallel`` are ``torch.distributed.tensor.parallel`` styles for
 ``EmulatedLinear``: the weight (and a colwise bias) become DTensors sharded over the TP mesh (``Shard(0)``
 colwise, ``Shard(1)`` rowwise; a fused ``[q; k; v]`` projection ``_StridedShard(0, split_factor=3)``, so that
-``full_tensor()`` and distributed checkpoints see the unsharded layout), and the module runs its three GEMMs on
+``full_tensor()`` and distributed checkpoints see the unsharded layout; its ``state_dict`` entries are full
+tensors, which DCP can store, ``_strided_checkpoint_hooks``), and the module runs its three GEMMs on
 the local shards with explicit collectives (``_tp_linear``: the custom quantizers have no DTensor sharding rules).
 A colwise/rowwise pair needs one reduction per pass; with ``sequence_parallel=True`` the activations between pairs
 stay split along the sequence (an all-gather before colwise, a reduce-scatter after rowwise).
@@ -108,6 +109,29 @@ def _mesh_size(mesh: Any, tp: int | None, what: str) -> int:
     return n
 
 
+def _strided_checkpoint_hooks(module: nn.Module, mesh: DeviceMesh, placement: Any) -> None:
+    """Make a fused projection's ``_StridedShard`` parameters checkpointable: torch's distributed checkpoint
+    describes a DTensor shard as one contiguous chunk at the shard's offset, which strided q/k/v rows are not (it
+    rejects them as overlapping chunks).  ``state_dict`` therefore holds their full tensors (an all-gather; a plain
+    replicated tensor, which DCP saves once and reshards freely), and ``load_state_dict`` of a full tensor keeps
+    this rank's strided rows (no communication)."""
+    names = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
+
+    def save(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+        for n in names:
+            if isinstance(state.get(prefix + n), DTensor):
+                state[prefix + n] = state[prefix + n].full_tensor()
+
+    def load(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+        for n in names:
+            t = state.get(prefix + n)
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                state[prefix + n] = distribute_tensor(t, mesh, [placement], src_data_rank=None)
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)
+
+
 def _max_reduce(group: dist.ProcessGroup, previous: Any) -> Any:
     def reduce(t: torch.Tensor) -> None:
         if previous is not None:
@@ -172,6 +196,8 @@ class _EmulatedParallel(ParallelStyle):
             target = [place] if (pname == "weight" or self.kind == "colwise") else [Replicate()]
             module.register_parameter(pname, nn.Parameter(distribute_tensor(p.detach(), device_mesh, target),
                                                           requires_grad=p.requires_grad))
+        if self.chunks > 1:
+            _strided_checkpoint_hooks(module, device_mesh, place)
         module.lowprec_tp = info  # type: ignore[assignment]
         if module._delayed:
             module.amax_reduce = _max_reduce(group, module.amax_reduce)
