@@ -133,6 +133,7 @@ def _strided_checkpoint_hooks(module: nn.Module, mesh: DeviceMesh, placement: An
 
 
 def _max_reduce(group: dist.ProcessGroup, previous: Any) -> Any:
+    """``EmulatedLinear.amax_reduce`` over the TP group, after any reduction already set (data parallelism)."""
     def reduce(t: torch.Tensor) -> None:
         if previous is not None:
             previous(t)
@@ -199,8 +200,8 @@ class _EmulatedParallel(ParallelStyle):
         if self.chunks > 1:
             _strided_checkpoint_hooks(module, device_mesh, place)
         module.lowprec_tp = info  # type: ignore[assignment]
-        if module._delayed:
-            module.amax_reduce = _max_reduce(group, module.amax_reduce)
+        # every layer, as the data-parallel wrapper does: a fallback can move one to delayed scaling later
+        module.amax_reduce = _max_reduce(group, module.amax_reduce)
         module.__class__ = _tp_class(type(module))
         return module
 
