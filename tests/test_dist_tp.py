@@ -29,7 +29,7 @@ from lowprec.testing import torchrun
 
 WORKER = Path(__file__).with_name("_dist_tp_worker.py")
 RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "mxfp4"]  # mxfp4: SR gradients
-SP_RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8"]
+SP_RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "mxfp4"]
 LLAMA_RECIPES = ["fp32", "bf16", "fp8-tensorwise"] if importlib.util.find_spec("transformers") else []
 GPT_CASES = [(r, "gpt") for r in [*RECIPES, "bf16-sr"]] + [(r, "gpt_sp") for r in SP_RECIPES]
 CASES = ([(r, "layer") for r in RECIPES] + GPT_CASES
@@ -285,10 +285,11 @@ def test_sequence_parallel_gathers_in_the_recipe_format(dist_run: dict) -> None:
     inputs [4, 16, 64] gathered forward and two rowwise output gradients gathered backward; a ring all-gather sends
     half of the gathered tensor at TP=2), 3 steps: float32 everywhere for fp32; fp8 codes (1 byte, the scale is
     all-reduced) for fp8-tensorwise; MX codes + one E8M0 byte per 32 forward, and x again in float32 for
-    grad_weight (MX scales it along the other dimension)."""
+    grad_weight (MX scales it along the other dimension); MXFP4 packs two codes per byte."""
     half = 4 * 16 * 64 // 2
     per_step = {"fp32": 4 * half * 4 + 4 * half * 4, "fp8-tensorwise": 4 * half * 1 + 4 * half * 4,
-                "mxfp8": 4 * (half + half // 32) + 4 * half * 4 + 4 * half * 4}
+                "mxfp8": 4 * (half + half // 32) + 4 * half * 4 + 4 * half * 4,
+                "mxfp4": 4 * (half // 2 + half // 32) + 4 * half * 4 + 4 * half * 4}  # two fp4 codes per byte
     for recipe, nbytes in per_step.items():
         assert dist_run[(recipe, "gpt_sp")][0]["stats"]["allgather_bytes"] == 3 * nbytes, recipe
 
