@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ._errors import UsageError
 from .runs._config import RunConfig, load
+from .runs._mesh import layout_of
 from .runs._parallel import World, init_world
 from .runs._runner import train
 from .runs._store import RunStore
@@ -111,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         die_with_parent()
     try:
         config = _config(args.config, args.store)
-        world = init_world(config.parallel.strategy, config.parallel.backend, config.parallel.mesh_shape)
+        world = init_world(config.parallel.strategy, config.parallel.backend, config.parallel.mesh_shape,
+                           layout=layout_of(config.parallel))
     except ValueError as e:
         print(f"lowprec: error: {e}", file=sys.stderr)
         return 2

@@ -48,6 +48,7 @@ Strategy = Literal["single", "ddp", "fsdp2", "hsdp"]
 DistBackend = Literal["auto", "gloo", "nccl"]
 Framework = Literal["torch", "jax"]
 Device = Literal["auto", "cpu", "cuda"]
+PipelineSchedule = Literal["1f1b", "gpipe"]
 OPTIMIZERS = literal_values(OptimizerName)
 SCHEDULES = literal_values(ScheduleName)
 STRATEGIES = literal_values(Strategy)
@@ -125,11 +126,16 @@ class ScheduleConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Parallel layout: one process, or data parallel over ``world_size`` torchrun processes."""
+    """Parallel layout: one process, or ``world_size`` torchrun processes on a device mesh of pipeline, data
+    (replicate, shard) and tensor parallel degrees (torchtitan's; ``_mesh`` explains the mesh and which rows each
+    rank trains on).  ``world_size = pp x dp_replicate x dp_shard x tp``; the data-parallel degrees follow from
+    ``strategy``, ``world_size``, ``tp`` and ``pp`` unless given."""
 
     strategy: Strategy = "single"
     """"single", "ddp" (DistributedDataParallel) or "fsdp2" (``fully_shard`` with the recipe's mixed-precision
-    policy); with ddp and fsdp2 each rank trains on its 1/world_size of every batch."""
+    policy); with ddp and fsdp2 each rank trains on its 1/world_size of every batch.  With ``tp`` or ``pp``: what
+    the data-parallel ranks do ("ddp": replicate, "fsdp2": shard, "hsdp": both); with no data-parallel ranks left
+    (``world_size = tp x pp``) use "ddp"."""
     world_size: int = 1
     """Processes on this node (``lowprec run`` launches torchrun with this many)."""
     backend: DistBackend = "auto"
@@ -139,7 +145,29 @@ class ParallelConfig:
     master_port: int | None = None
     """Rendezvous port on 127.0.0.1 (default: a free one)."""
     mesh_shape: tuple[int, int] | None = None
-    """"hsdp": (replicas, shards per replica); their product is the world size."""
+    """"hsdp": (replicas, shards per replica); their product is the data-parallel degree (the world size without
+    tp or pp)."""
+    tp: int = 1
+    """Tensor-parallel degree (torchtitan's ``tensor_parallel_degree``): Megatron column/row sharding of every
+    block's linears (``lowprec.distributed.gpt_plan`` for the zoo GPT, ``llama_plan`` for Llama-style models); it
+    must divide the attention heads and the sharded linear dimensions (and keep MX blocks inside shards)."""
+    pp: int = 1
+    """Pipeline-parallel degree (``pipeline_parallel_degree``): the model's pieces cut into ``pp`` stages balanced
+    by parameter count (``lowprec.distributed.Pipeline``)."""
+    dp_replicate: int | None = None
+    """Data-parallel replicas (``data_parallel_replicate_degree``); default: from ``strategy`` (ddp: all the
+    data-parallel ranks; hsdp: ``mesh_shape[0]``)."""
+    dp_shard: int | None = None
+    """Data-parallel shards (``data_parallel_shard_degree``); default: from ``strategy`` (fsdp2: all the
+    data-parallel ranks; hsdp: ``mesh_shape[1]``)."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """"1f1b" or "gpipe" (``torch.distributed.pipelining``'s ``Schedule1F1B`` / ``ScheduleGPipe``)."""
+    microbatches: int | None = None
+    """Microbatches per pipeline step (default: ``pp``; "1f1b" needs at least ``pp``); the batch each
+    data-parallel rank trains on must divide into them."""
+    sequence_parallel: bool = False
+    """With ``tp``: keep the residual stream split along the sequence between blocks (norms on local tokens,
+    activations all-gathered in the recipe's format)."""
 
     def __post_init__(self) -> None:
         check_literal(self.strategy, "parallel.strategy", Strategy)
@@ -148,15 +176,41 @@ class ParallelConfig:
         check_int(self.max_restarts, "parallel.max_restarts", 0, 100)
         if self.master_port is not None:
             check_int(self.master_port, "parallel.master_port", 1024, 65535)
-        if self.strategy == "hsdp" or self.mesh_shape is not None:
+        for field in ("tp", "pp"):
+            check_int(getattr(self, field), f"parallel.{field}", 1, 1024)
+        for field in ("dp_replicate", "dp_shard", "microbatches"):
+            if getattr(self, field) is not None:
+                check_int(getattr(self, field), f"parallel.{field}", 1, 1 << 20)
+        check_literal(self.pp_schedule, "parallel.pp_schedule", PipelineSchedule)
+        if not isinstance(self.sequence_parallel, bool):
+            raise UsageError(f"parallel.sequence_parallel must be true or false; got {self.sequence_parallel!r}")
+        by_degrees = self.dp_replicate is not None and self.dp_shard is not None  # hsdp without mesh_shape
+        if self.mesh_shape is not None or (self.strategy == "hsdp" and not by_degrees):
             m = self.mesh_shape
             if self.strategy != "hsdp":
                 raise UsageError(f"parallel.mesh_shape is for strategy 'hsdp'; got strategy {self.strategy!r}")
             if not (isinstance(m, tuple) and len(m) == 2 and all(isinstance(v, int) and v >= 1 for v in m)):
                 raise UsageError(f"parallel.mesh_shape must be [replicas, shards] (two integers >= 1); got {m!r}")
-            if m[0] * m[1] != self.world_size:
+            if m[0] * m[1] != self.world_size and self.tp * self.pp == 1:
                 raise UsageError(f"parallel.mesh_shape {list(m)} has {m[0] * m[1]} ranks but parallel.world_size "
                                  f"is {self.world_size}: make replicas x shards equal the world size")
+        from ._mesh import check_degrees
+
+        check_degrees(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data; the mesh fields (``tp`` .. ``sequence_parallel``) only when they differ from their defaults,
+        so a data-parallel config's data (and the digests kept of it) is the same as before they existed."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in _MESH_FIELDS and v == f.default:
+                continue
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+
+_MESH_FIELDS = ("tp", "pp", "dp_replicate", "dp_shard", "pp_schedule", "microbatches", "sequence_parallel")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -303,7 +357,12 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        layout = "" if self.parallel.strategy == "single" else f" {self.parallel.strategy}x{self.parallel.world_size}"
+        p = self.parallel
+        layout = "" if p.strategy == "single" else f" {p.strategy}x{p.world_size}"
+        if p.tp * p.pp > 1:  # e.g. "tp2", "pp2 x dp_shard2"
+            from ._mesh import layout_of
+
+            layout = f" {layout_of(p).describe()}"
         framework = "" if self.framework == "torch" else f" [{self.framework}]"  # a JAX run is another experiment
         return self.name or f"{self.model} {self.recipe.name}{layout}{framework}"
 
@@ -351,6 +410,8 @@ class RunConfig:
                 v = v.to_dict()
             elif f.name == "faults":
                 v = [x.to_dict() for x in v]
+            elif f.name == "parallel":
+                v = v.to_dict()
             elif dataclasses.is_dataclass(v) and not isinstance(v, type):
                 v = {k: list(x) if isinstance(x, tuple) else x for k, x in dataclasses.asdict(v).items()}
             elif isinstance(v, tuple):

@@ -66,7 +66,7 @@ def preflight(config: RunConfig, batch_size: int) -> int:
     """Raise ValueError for a layout that cannot work (a ``device`` this machine lacks included); returns the
     rendezvous port to use."""
     p = config.parallel
-    if batch_size % p.world_size:
+    if p.tp * p.pp == 1 and batch_size % p.world_size:  # TP/PP layouts: _mesh.check_model_layout
         raise UsageError(f"batch_size {batch_size} is not divisible by parallel.world_size {p.world_size}; each "
                          f"rank trains on batch_size / world_size rows: use a multiple of {p.world_size}")
     resolve_backend(p.backend, config.device)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .._errors import UsageError
 from ..recipes import Recipe
+from ._mesh import Layout, build_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +35,32 @@ class World:
     strategy: str = "single"
     mesh_shape: tuple[int, int] | None = None
     """"hsdp": (replicas, shards)."""
+    layout: Layout | None = None
+    """A tensor- or pipeline-parallel layout (``_mesh``); None: data parallelism over every rank."""
+    mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """The ``DeviceMesh`` of ``layout`` (dimensions ``_mesh.MESH_DIMS``)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which batch shard this rank trains on: TP and PP peers train on the same rows."""
+        return self.rank if self.layout is None else self.layout.dp_index(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        """How many batch shards there are."""
+        return self.size if self.layout is None else self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.layout is None else self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return 1 if self.layout is None else self.layout.pp
 
     @property
     def distributed(self) -> bool:
@@ -45,22 +68,13 @@ class World:
 
     def shard(self, batch: Any, index: int | None = None) -> Any:
         """This rank's rows of a global batch (tensors split along dim 0; tuples/lists/dicts element-wise);
-        ``index``: another rank's rows (a rerun computing that rank's shard)."""
-        if self.size == 1:
+        ``index``: another rank's rows (a rerun computing that rank's shard).  Under a TP or PP layout the batch
+        is split over the data-parallel ranks only (``dp_rank`` of ``dp_size``), and ``index`` is a rank."""
+        size = self.dp_size
+        if size == 1:
             return batch
-        index = self.rank if index is None else index
-        if isinstance(batch, torch.Tensor):
-            n = batch.shape[0]
-            if n % self.size:
-                raise UsageError(f"a batch of {n} rows cannot be split evenly over {self.size} ranks; "
-                                 f"choose batch_size divisible by parallel.world_size")
-            k = n // self.size
-            return batch[index * k:(index + 1) * k]
-        if isinstance(batch, tuple | list):
-            return type(batch)(self.shard(b, index) for b in batch)
-        if isinstance(batch, dict):
-            return {k: self.shard(v, index) for k, v in batch.items()}
-        return batch
+        index = self.dp_rank if index is None else (index if self.layout is None else self.layout.dp_index(index))
+        return _rows(batch, index, size)
 
     def mean(self, value: torch.Tensor) -> float:
         """The mean over ranks of a scalar tensor (the value itself on one process)."""
@@ -100,6 +114,22 @@ class World:
             dist.barrier()
 
 
+def _rows(batch: Any, index: int, size: int) -> Any:
+    """Shard ``index`` of ``size`` of a batch: tensors split along dim 0, containers element-wise."""
+    if isinstance(batch, torch.Tensor):
+        n = batch.shape[0]
+        if n % size:
+            raise UsageError(f"a batch of {n} rows cannot be split evenly over {size} ranks; "
+                             f"choose batch_size divisible by parallel.world_size")
+        k = n // size
+        return batch[index * k:(index + 1) * k]
+    if isinstance(batch, tuple | list):
+        return type(batch)(_rows(b, index, size) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _rows(v, index, size) for k, v in batch.items()}
+    return batch
+
+
 @dataclasses.dataclass
 class Wrapped:
     """The model as trained, and the per-step hooks its layout needs."""
@@ -121,6 +151,10 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
     recipe's mixed-precision policy)."""
     if world.strategy == "single" or not world.distributed:
         return Wrapped(model)
+    if world.layout is not None and world.tp > 1:
+        return _tensor_parallel(model, recipe, world)
+    if world.layout is not None and world.pp > 1:
+        return Wrapped(model)  # the runner builds its Pipeline over the model (``_pp_runner``)
     from ..distributed import allgather_bytes, compress_hook, shard_model, sync_amax_histories
     from ..distributed._compress import ring_allreduce_bytes
     from ..nn import EmulatedLinear
@@ -157,6 +191,29 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
     return Wrapped(wrapped, lambda: state.bytes_sent, sync, hook_state=state)
 
 
+def _tensor_parallel(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
+    """TP over the mesh's "tp" dimension (``lowprec.distributed.tensor_parallel``, the model's plan): DTensor
+    weights, tensorwise amaxes MAX-reduced over the TP group, delayed histories synchronised after every backward;
+    ``comm_bytes``: what the TP collectives sent in the last step (``tp_stats``)."""
+    from ..distributed import sync_amax_histories, tensor_parallel, tp_stats
+
+    assert world.layout is not None and world.mesh is not None
+    mesh = world.mesh["tp"]
+    tensor_parallel(model, mesh, sequence_parallel=world.layout.sequence_parallel, grad_comm=recipe.grad_comm)
+    group = mesh.get_group()
+    seen = [0]
+
+    def sent() -> int:
+        total = sum(tp_stats(model).values())
+        step, seen[0] = total - seen[0], total
+        return step
+
+    def sync() -> None:
+        sync_amax_histories(model, group)
+
+    return Wrapped(model, sent, sync)
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside a DDP wrapper."""
     return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
@@ -166,8 +223,10 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_WORLD_SIZE" in os.environ
 
 
-def init_world(strategy: str, backend: str = "auto", mesh_shape: tuple[int, int] | None = None) -> World:
-    """Initialise the default process group from torchrun's environment (idempotent)."""
+def init_world(strategy: str, backend: str = "auto", mesh_shape: tuple[int, int] | None = None, *,
+               layout: Layout | None = None) -> World:
+    """Initialise the default process group from torchrun's environment (idempotent); with a TP or PP ``layout``
+    (``_mesh.layout_of(config.parallel)``) also its ``DeviceMesh``."""
     if not launched_by_torchrun():
         raise UsageError(f"parallel.strategy {strategy!r} needs torchrun: use `lowprec run CONFIG` (it launches "
                          "torchrun itself) or `torchrun --nproc-per-node N -m lowprec.train CONFIG`")
@@ -184,8 +243,16 @@ def init_world(strategy: str, backend: str = "auto", mesh_shape: tuple[int, int]
         else:
             dist.init_process_group(chosen, timeout=timeout, store=store, rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]))
-    world = World(rank=dist.get_rank(), size=dist.get_world_size(), strategy=strategy, mesh_shape=mesh_shape)
-    if mesh_shape is not None and mesh_shape[0] * mesh_shape[1] != world.size:
+    if layout is not None and not layout.model_parallel:
+        layout = None
+    world = World(rank=dist.get_rank(), size=dist.get_world_size(), strategy=strategy, mesh_shape=mesh_shape,
+                  layout=layout)
+    if layout is not None:
+        if layout.world_size != world.size:
+            raise UsageError(f"the layout {layout.describe()} needs {layout.world_size} processes but torchrun "
+                             f"started {world.size}: set parallel.world_size = {layout.world_size}")
+        world = dataclasses.replace(world, mesh=build_mesh(layout, "cuda" if dist.get_backend() == "nccl" else "cpu"))
+    elif mesh_shape is not None and mesh_shape[0] * mesh_shape[1] != world.size:
         raise UsageError(f"parallel.mesh_shape {list(mesh_shape)} does not match the {world.size} processes "
                          "torchrun started")
     return world

@@ -37,6 +37,7 @@ module is the training loop.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -49,7 +50,7 @@ from .._errors import UsageError
 from ..nn import convert
 from ..optim import LowPrecisionOptimizer
 from ..reliability._config import check_rollback
-from ._config import RunConfig
+from ._config import ParallelConfig, RunConfig
 from ._lifecycle import ResolvedConfig, RunLifecycle, import_dir, resolve, resolve_for_task, run_manifest
 from ._lifecycle import build_task as build_task  # re-exported: lowprec.runs, the CLI and the seeds helpers use it
 from ._parallel import World, resolve_device, unwrap, world_device, wrap_model
@@ -70,25 +71,35 @@ def _check_fallback(config: RunConfig, world: World | None = None) -> None:
                          f"\"single\", or remove the recipe's fallback")
 
 
-def make_optimizer(r: ResolvedConfig, model: torch.nn.Module) -> LowPrecisionOptimizer:
-    """The torch optimizer the config names, wrapped with the recipe's weight/state/loss-scaling policy."""
+def make_optimizer(r: ResolvedConfig, model: torch.nn.Module, *, pipeline: Any = None) -> LowPrecisionOptimizer:
+    """The torch optimizer the config names, wrapped with the recipe's weight/state/loss-scaling policy; with a
+    ``pipeline``, over its stage's parameters (keyed by their whole-model index).  Tensor-parallel (DTensor)
+    parameters next to plain ones take the per-parameter loop (a foreach kernel cannot mix them)."""
+    from torch.distributed.tensor import DTensor
+
     o = r.config.optimizer
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = pipeline.parameters() if pipeline is not None else [p for p in model.parameters() if p.requires_grad]
+    loop: dict[str, Any] = {"foreach": False} if any(isinstance(p, DTensor) for p in params) else {}
     inner: torch.optim.Optimizer
     if r.optimizer == "sgd":
-        inner = torch.optim.SGD(params, lr=r.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        inner = torch.optim.SGD(params, lr=r.lr, momentum=o.momentum, weight_decay=o.weight_decay, **loop)
     else:
-        inner = torch.optim.AdamW(params, lr=r.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    return LowPrecisionOptimizer(inner, r.config.recipe)
+        inner = torch.optim.AdamW(params, lr=r.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **loop)
+    return LowPrecisionOptimizer(inner, r.config.recipe,
+                                 param_index=pipeline.param_index if pipeline is not None else None)
 
 
 def _grad_norm_and_clip(params: list[torch.Tensor], scale: float, clip: float) -> float:
     """Global L2 norm of the gradients divided by the loss scale; clip them (still scaled) to ``clip`` (0: no
-    clipping)."""
+    clipping).  A tensor-parallel (DTensor) gradient's norm is its whole tensor's (a reduction over its shards)."""
+    from torch.distributed.tensor import DTensor
+
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) / scale
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    norm = float(torch.linalg.vector_norm(torch.stack(norms))) / scale
     if clip and math.isfinite(norm) and norm > clip:
         coef = clip / norm
         for g in grads:
@@ -203,6 +214,12 @@ def _loop(task: Task, st: State, life: RunLifecycle) -> bool:
     r, store = life.r, life.store
 
     def step_fn(step: int) -> tuple[dict[str, float], dict[str, Any] | None, bool] | None:
+        if st.pipeline is not None:
+            from ._pp_runner import pp_train_step
+
+            values, _, end = pp_train_step(task, st, r, r.lr_at(step))
+            st.step += 1
+            return values, None, end == "diverged"
         done = _train_step(task, st, r, r.lr_at(step), life)
         if done is None:  # rolled back: the loop continues from the checkpoint's step
             return None
@@ -224,7 +241,13 @@ def _loop(task: Task, st: State, life: RunLifecycle) -> bool:
                 store.add_event(life.run_id, step=step, kind="fallback",
                                 payload={**event, "applies_from_step": step + 1})
 
-    return life.drive(step_fn, evaluate=lambda step: _evaluate(task, unwrap(st.model)),
+    def evaluate(step: int) -> dict[str, float]:
+        if st.pipeline is None:  # every rank (tensor parallelism: the forward's collectives take all of them)
+            return _evaluate(task, unwrap(st.model))
+        st.pipeline.sync_model()  # the whole trained model on every rank; rank 0 evaluates it
+        return st.world.broadcast(_evaluate(task, unwrap(st.model)) if st.world.is_main else None)
+
+    return life.drive(step_fn, evaluate=evaluate,
                       save=lambda step: save_state(r, life.run_id, st, store), before_log=before_log,
                       after_log=lambda step: _share_fallbacks(st))
 
@@ -300,6 +323,14 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
     if world.distributed and world.strategy != config.parallel.strategy:
         raise UsageError(f"parallel.strategy is {config.parallel.strategy!r} but the process group was set up for "
                          f"{world.strategy!r}: pass init_world(config.parallel.strategy, ...) as world")
+    if world.distributed:
+        from ._mesh import layout_of
+
+        want = layout_of(config.parallel)
+        if (want if want.model_parallel else None) != world.layout:
+            raise UsageError(f"parallel describes the layout {want.describe()} but the process group was set up for "
+                             f"{world.layout.describe() if world.layout else 'data parallelism'}: pass "
+                             "init_world(..., layout=layout_of(config.parallel)) as world")
     try:
         return _train_torch(config, seed=seed, store=store, resume=resume, progress=progress, world=world,
                             run_id=run_id, allow_restart=allow_restart)
@@ -322,9 +353,18 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
     task = build_task(config, seed)
     r = resolve_for_task(config, task, seed)
     recipe = r.config.recipe
+    if world.layout is not None:
+        from ._mesh import check_supported
+
+        check_supported(r.config)
     wrapped = wrap_model(convert(task.model, recipe).to(device), recipe, world)
-    st = State(model=wrapped.model, optimizer=make_optimizer(r, wrapped.model), world=world, wrapped=wrapped,
-                device=device)
+    pipeline = None
+    if world.pp > 1:
+        from ._pp_runner import build_pipeline
+
+        pipeline = build_pipeline(task, wrapped.model, world)
+    st = State(model=wrapped.model, optimizer=make_optimizer(r, wrapped.model, pipeline=pipeline), world=world,
+               wrapped=wrapped, device=device, pipeline=pipeline)
     if recipe.fallback is not None:
         _check_fallback(r.config, world)
         from ..numerics import FallbackController
@@ -362,20 +402,25 @@ def run_config(config: RunConfig, *, store: RunStore, progress: bool = True) -> 
     if config.recipe.fallback is not None:
         _check_fallback(config)
     from ._launch import launch
+    from ._mesh import check_model_layout
 
     ids = []
     for s in config.seeds:
         task = build_task(config, s)
         resolved = resolve_for_task(config, task, s)
+        check_model_layout(resolved.config, task, task.samples_per_step)  # TP/PP rules, before any process
         ids.append(launch(resolved.config, seed=s, batch_size=task.samples_per_step, store=store,
                           quiet=not progress))
     return ids
 
 
 def resume_run(run_id: str, *, store: RunStore, progress: bool = True, world_size: int | None = None,
-               allow_restart: bool = False) -> str:
+               allow_restart: bool = False, parallel: ParallelConfig | None = None) -> str:
     """Continue a stored run from its newest usable checkpoint, with the config it was started with (optionally
-    on another number of data-parallel processes: checkpoints hold the full state, so 2 -> 1 and 1 -> 2 work).
+    on another number of data-parallel processes: checkpoints hold the full state, so 2 -> 1 and 1 -> 2 work;
+    ``world_size`` makes the layout pure data parallelism, dropping a stored run's ``tp`` / ``pp``), or in another
+    ``parallel`` layout (e.g. a TP=2 run continued on one process and back: tensor- and pipeline-parallel runs
+    write full-state checkpoints, which any layout loads).
 
     The run's checkpoints are those next to ``store``'s file: the config's saved ``store`` path (relative to the
     working directory it was started from) is not used.  A completed run, or one still running on this host, is
@@ -384,13 +429,24 @@ def resume_run(run_id: str, *, store: RunStore, progress: bool = True, world_siz
     check_resumable(record)
     stored = {**record.config, "store": store.location, "config_dir": record.manifest.get("config_dir")}
     config = RunConfig.from_dict(stored, where=f"run {record.run_id}'s stored config")
+    if world_size is not None and parallel is not None:
+        raise UsageError("give either world_size or parallel, not both")
     if world_size is not None:
+        from ._config import _MESH_FIELDS
+
         layout = {"strategy": "single" if world_size == 1 else "ddp", "world_size": world_size}
-        config = RunConfig.from_dict({**config.to_dict(), "parallel": {**config.to_dict()["parallel"], **layout},
+        kept = {k: v for k, v in config.to_dict()["parallel"].items() if k not in (*_MESH_FIELDS, "mesh_shape")}
+        config = RunConfig.from_dict({**config.to_dict(), "parallel": {**kept, **layout},
                                       "config_dir": config.config_dir}, where="--world-size")
+    if parallel is not None:
+        config = dataclasses.replace(config, parallel=parallel)
     seed = int(record.manifest["seed"])
     if config.parallel.strategy != "single":
         from ._launch import launch
+        from ._mesh import check_model_layout
+
+        task = build_task(config, seed)
+        check_model_layout(config, task, int(config.batch_size or task.samples_per_step))
 
         stored_run = resolve(config, seed=seed, defaults={})  # a stored config is resolved: nothing to fill in
         return launch(config, seed=seed, batch_size=stored_run.batch_size, store=store,

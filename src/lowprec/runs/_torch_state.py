@@ -59,15 +59,79 @@ class State:
     """Where the model and every batch live (``world_device``)."""
     guard: Any = None
     """``_reliable.Guard``: injected faults, the spike detector, the skip ledger and the checks."""
+    pipeline: Any = None
+    """``lowprec.distributed.Pipeline`` under ``parallel.pp`` > 1 (``_pp_runner``): this rank's stage."""
+
+
+def _collective(world: World) -> bool:
+    """Whether saving or loading the state takes every rank (sharded, tensor- or pipeline-parallel layouts), so
+    rank 0 cannot try a checkpoint on its own."""
+    return world.strategy in SHARDED or world.tp > 1 or world.pp > 1
+
+
+def _tp_full_state(st: State) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Collective: the full (unsharded) state of a tensor-parallel model, in a single process's format (the
+    inner optimizer's state keyed by parameter index, as ``torch.optim.Optimizer.state_dict`` keys it)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    o = StateDictOptions(full_state_dict=True)
+    model = unwrap(st.model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    index = {n: i for i, n in enumerate(names)}
+    inner: Any = get_optimizer_state_dict(model, st.optimizer.optimizer, options=o)
+    native = {"state": {index[k]: v for k, v in inner["state"].items()},
+              "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in inner["param_groups"]]}
+    return dict(get_model_state_dict(model, options=o)), {**st.optimizer.state_dict(), "optimizer": native}
+
+
+def _tp_load_full_state(st: State, model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> None:
+    """Collective: load a full state (any layout's) into a tensor-parallel model; DTensor parameters and their
+    optimizer state are distributed to their shards."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    o = StateDictOptions(full_state_dict=True)
+    model = unwrap(st.model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    native = opt_sd["optimizer"]
+    fqn: Any = {"state": {names[int(i)]: v for i, v in native["state"].items()},
+           "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in native["param_groups"]]}
+    set_model_state_dict(model, model_sd, options=o)
+    set_optimizer_state_dict(model, st.optimizer.optimizer, fqn, options=o)
+    st.optimizer.load_state_dict({**opt_sd, "optimizer": None})
 
 
 def _full_state(st: State) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(model, optimizer) state of an unsharded layout (single process or DDP replicas)."""
+    """(model, optimizer) state of an unsharded layout (single process or DDP replicas), or the full state of a
+    tensor- or pipeline-parallel one (collective), in a single process's format."""
+    if st.world.tp > 1:
+        return _tp_full_state(st)
+    if st.pipeline is not None:
+        from ._pp_runner import full_optimizer_state
+
+        st.pipeline.sync_model()
+        return unwrap(st.model).state_dict(), full_optimizer_state(st.pipeline, st.optimizer)
     return unwrap(st.model).state_dict(), st.optimizer.state_dict()
 
 
 def _load_full_state(st: State, model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> None:
     """Load a full (unsharded) model and optimizer state into ``st``, whatever its layout."""
+    if st.world.tp > 1:
+        _tp_load_full_state(st, model_sd, opt_sd)
+        return
+    if st.pipeline is not None:  # every rank holds the whole model object; its optimizer, one stage's part
+        from ._pp_runner import local_optimizer_state
+
+        unwrap(st.model).load_state_dict(model_sd)
+        st.optimizer.load_state_dict(local_optimizer_state(st.pipeline, opt_sd))
+        return
     if st.world.strategy not in SHARDED:
         unwrap(st.model).load_state_dict(model_sd)
         st.optimizer.load_state_dict(opt_sd)
@@ -141,7 +205,7 @@ def _pick(st: State, store: RunStore, record: RunRecord, directory: Path, *,
     corrupted one); when every candidate fails, the initial state is put back."""
     from ._dcp import verify
 
-    trial = st.world.strategy not in SHARDED
+    trial = not _collective(st.world)
     initial: tuple[dict[str, Any], dict[str, Any], Any] | None = None
 
     def usable(c: Candidate) -> Any:
@@ -193,7 +257,7 @@ def restore_state(life: RunLifecycle, run_id: str, st: State, *, allow_restart: 
         warn_resume(run_id, problems, discarded)
     state: dict[str, Any] | None = None
     if kind == "file":
-        if st.world.is_main and st.world.strategy not in SHARDED:
+        if st.world.is_main and not _collective(st.world):
             state = loaded  # loaded into this process's model and optimizer by _pick
         else:
             state = load_checkpoint(path)
