@@ -169,3 +169,15 @@ def test_bad_arguments_get_clear_errors(tmp_path: Path) -> None:
     junk.write_bytes(b"not a program")
     with pytest.raises(lowprec.UsageError, match="not a serialized JAX program"):
         lj.load(junk)
+
+
+@pytest.mark.slow  # make test-slow: lowering for three platforms and compiling an mxfp8 step take ~20 s here
+def test_the_xla_page_example_runs_as_printed(tmp_path: Path) -> None:
+    """docs/xla.md's Python block: an mxfp8 training step exported for three platforms, saved, loaded and run for
+    5 steps with the jitted step's losses (its own asserts)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "xla.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    block = block.replace("/tmp/lowprec_mxfp8_step.jax", str(tmp_path / "step.jax"))
+    exec(compile(block, "docs/xla.md", "exec"), {})
