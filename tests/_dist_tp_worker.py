@@ -13,7 +13,7 @@ needs no extra launch.  Writes ``rank<r>.json`` into the output directory with, 
 * ``wire``: a colwise layer whose input-gradient partial sums are sent as float32, bf16 and fp8 (``GradComm``);
 * ``dcp``: distributed checkpoints from TP=2 to TP=2 and one process, and from one process to TP=2;
 * ``optim``: ``bf16-sr``'s stochastic weight update on TP-sharded parameters against one process;
-* ``llama``: a transformers Llama through ``llama_plan`` (``gpt``'s fields);
+* ``llama`` / ``gpt2``: a transformers Llama through ``llama_plan``, GPT-2 through ``gpt2_plan`` (``gpt``'s fields);
 * ``doc``: the docs example (20 steps of TP=2 with sequence parallelism, fp8-delayed), run first.
 """
 
@@ -25,6 +25,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -242,9 +243,21 @@ def llama(recipe: str) -> torch.nn.Module:
     return lowprec.convert(model.train(), recipe)
 
 
-def llama_case(recipe: str, mesh: object) -> dict[str, object]:
-    """A transformers Llama (2 layers, 4 heads, 2 key-value heads) with ``llama_plan``, TP=2 vs one process."""
-    ref, tp_model = llama(recipe), llama(recipe)
+def gpt2(recipe: str) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    return lowprec.convert(model.train(), recipe)
+
+
+def llama_case(recipe: str, mesh: object, build: Any = None) -> dict[str, object]:
+    """A transformers Llama (2 layers, 4 heads, 2 key-value heads) with ``llama_plan`` (or the model ``build``
+    makes: GPT-2 with ``gpt2_plan``), TP=2 vs one process."""
+    build = build or llama
+    ref, tp_model = build(recipe), build(recipe)
     tensor_parallel(tp_model, mesh)  # type: ignore[arg-type]
     ref_p = dict(ref.named_parameters())
     init_equal = all(torch.equal(_full(p), ref_p[n].detach()) for n, p in tp_model.named_parameters())
@@ -278,15 +291,18 @@ def main() -> None:
             results.append({"recipe": recipe, "kind": kind, **dcp_case(recipe, mesh, out_dir)})
         elif kind == "optim":
             results.append({"recipe": recipe, "kind": kind, **optim_case(mesh)})
-        elif kind == "llama":
-            results.append({"recipe": recipe, "kind": kind, **llama_case(recipe, mesh)})
+        elif kind in ("llama", "gpt2"):
+            results.append({"recipe": recipe, "kind": kind,
+                            **llama_case(recipe, mesh, gpt2 if kind == "gpt2" else None)})
         elif kind == "wire":
             results.append({"recipe": recipe, "kind": kind, **wire_case(recipe, mesh)})
         elif kind == "layer":
             results.append({"recipe": recipe, "kind": kind, **layer_case(recipe, mesh, rank)})
-        else:
+        elif kind in ("gpt", "gpt_sp", "gpt_wire"):
             results.append({"recipe": recipe, "kind": kind,
                             **gpt_case(recipe, kind == "gpt_sp", mesh, wire=kind == "gpt_wire")})
+        else:
+            raise ValueError(f"unknown case kind {kind!r}")
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cases": results, "doc": doc}))
     dist.destroy_process_group()
 

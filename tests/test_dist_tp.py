@@ -20,7 +20,7 @@ from torch import nn
 
 import lowprec
 from lowprec import UsageError
-from lowprec.distributed import EmulatedColwiseParallel, check_tp_linear, gpt_plan, llama_plan
+from lowprec.distributed import EmulatedColwiseParallel, check_tp_linear, gpt2_plan, gpt_plan, llama_plan
 from lowprec.distributed._tp_shard import FULL, ShardLayout, check_operand, quantize_shard, split_pieces
 from lowprec.quant import QuantSpec, _random
 from lowprec.quant._scaled import fake_quantize_tensors
@@ -30,11 +30,13 @@ from lowprec.testing import torchrun
 WORKER = Path(__file__).with_name("_dist_tp_worker.py")
 RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "mxfp4"]  # mxfp4: SR gradients
 SP_RECIPES = ["fp32", "bf16", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8", "mxfp4"]
-LLAMA_RECIPES = ["fp32", "bf16", "fp8-tensorwise"] if importlib.util.find_spec("transformers") else []
+HAS_HF = importlib.util.find_spec("transformers") is not None
+LLAMA_RECIPES = ["fp32", "bf16", "fp8-tensorwise"] if HAS_HF else []
+GPT2_RECIPES = ["fp32", "bf16", "fp8-tensorwise", "mxfp8"] if HAS_HF else []
 GPT_CASES = [(r, "gpt") for r in [*RECIPES, "bf16-sr"]] + [(r, "gpt_sp") for r in SP_RECIPES]
 CASES = ([(r, "layer") for r in RECIPES] + GPT_CASES
          + [("fp8-tensorwise", "gpt_wire"), ("fp8-tensorwise", "wire"), ("bf16-sr", "optim"), ("mxfp8", "dcp")]
-         + [(r, "llama") for r in LLAMA_RECIPES])
+         + [(r, "llama") for r in LLAMA_RECIPES] + [(r, "gpt2") for r in GPT2_RECIPES])
 
 # Results whose arithmetic is the single-process arithmetic on the same quantized values are compared bit for
 # bit: colwise y, dW, db; rowwise dx, dW, db.  The two sums over a sharded reduction dimension (colwise dx, rowwise
@@ -61,6 +63,8 @@ PARAM_LR_UNITS_DEFAULT = 2.5e-2
 # fp32 and fp8-tensorwise (8.6e-6 bf16); then AdamW's sign flips (above) feed later steps.  Measured max relative
 # loss difference 2.0e-7 fp32, 2.2e-4 fp8-tensorwise (a tensorwise scale follows its amax, which follows the sum
 # order: one ulp of amax moves every code near a rounding boundary), 2.0e-4 bf16; parameters up to 4.4 lr (bf16).
+# GPT-2 (Conv1D projections, 2 layers, d 64, 4 heads) with gpt2_plan: 9.8e-8 fp32 and fp8-tensorwise, 0 mxfp8,
+# 8.7e-5 bf16; parameters up to 2.6 lr (bf16).  The same bounds serve both.
 LLAMA_LOSS_REL = {"fp32": 6e-7}
 LLAMA_LOSS_REL_DEFAULT = 6.6e-4
 
@@ -323,12 +327,16 @@ def test_docs_example_trains(dist_run: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", LLAMA_RECIPES or [pytest.param("fp32", marks=pytest.mark.skip("no transformers"))])
-def test_llama_matches_one_process(dist_run: dict, recipe: str) -> None:
+@pytest.mark.parametrize("case", [(r, "llama") for r in LLAMA_RECIPES] + [(r, "gpt2") for r in GPT2_RECIPES]
+                         or [pytest.param(("fp32", "llama"), marks=pytest.mark.skip("no transformers"))],
+                         ids=lambda c: f"{c[1]}-{c[0]}")
+def test_transformers_models_match_one_process(dist_run: dict, case: tuple[str, str]) -> None:
     """transformers' Llama through ``llama_plan`` (q/k/v colwise with whole heads: the attention infers the local
-    head count), TP=2 vs one process: parameters start equal, losses within ``LLAMA_LOSS_REL``, parameters within
-    the AdamW worst case of 6 learning rates."""
-    r0, r1 = dist_run[(recipe, "llama")][0], dist_run[(recipe, "llama")][1]
+    head count) and GPT-2 through ``gpt2_plan`` (Conv1D weights stored [in, out]: the fused c_attn sharded as
+    ``_StridedShard(1, 3)``; the attention's split_size made local), TP=2 vs one process: parameters start equal,
+    losses within ``LLAMA_LOSS_REL``, parameters within the AdamW worst case of 6 learning rates."""
+    recipe = case[0]
+    r0, r1 = dist_run[case][0], dist_run[case][1]
     assert r0["tp_losses"] == r1["tp_losses"]
     assert r0["init_equal"]
     assert _rel(r0["tp_losses"], r0["ref_losses"]) <= LLAMA_LOSS_REL.get(recipe, LLAMA_LOSS_REL_DEFAULT), r0
@@ -372,3 +380,18 @@ def test_distributed_checkpoints_reshard_across_tp_layouts(dist_run: dict) -> No
     r0, r1 = dist_run[("mxfp8", "dcp")][0], dist_run[("mxfp8", "dcp")][1]
     assert {k: r0.get(k) for k in keys} == dict.fromkeys(keys, True), r0
     assert r1["tp2_to_tp2"] and r1["tp1_to_tp2"], r1
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_gpt2_plan_by_module_name() -> None:
+    import transformers
+
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=64, n_positions=16)
+    model = lowprec.convert(transformers.GPT2LMHeadModel(cfg), "fp8-tensorwise")
+    plan = gpt2_plan(model, tp=2)
+    assert {k: type(v).__name__ for k, v in plan.items()} == {
+        "transformer.h.0.attn": "_LocalSplit", "transformer.h.0.attn.c_attn": "EmulatedColwiseParallel",
+        "transformer.h.0.attn.c_proj": "EmulatedRowwiseParallel", "transformer.h.0.mlp.c_fc": "EmulatedColwiseParallel",
+        "transformer.h.0.mlp.c_proj": "EmulatedRowwiseParallel"}
+    with pytest.raises(UsageError, match=r"config.n_head = 4 is not divisible by TP=3"):
+        gpt2_plan(model, tp=3)

@@ -14,8 +14,8 @@
   one process accumulating gradients over the same microbatches (``accumulate_step``).
 * ``tensor_parallel(model, mesh, sequence_parallel=...)``: Megatron tensor (and sequence) parallelism with
   ``parallelize_module`` styles for ``EmulatedLinear`` (``EmulatedColwiseParallel``, ``EmulatedRowwiseParallel``;
-  plans ``gpt_plan``, ``llama_plan``): DTensor parameters, local emulated GEMMs, scales and stochastic-rounding
-  draws as one process computes them.
+  plans ``gpt_plan``, ``llama_plan``, ``gpt2_plan``): DTensor parameters, local emulated GEMMs, scales and
+  stochastic-rounding draws as one process computes them.
 
 Runs launched with ``lowprec run`` (``parallel.strategy = "ddp" | "fsdp2"``) use these for you.
 """
@@ -45,6 +45,7 @@ from ._tensor_parallel import EmulatedRowwiseParallel as EmulatedRowwiseParallel
 from ._tensor_parallel import SequenceBoundary as SequenceBoundary
 from ._tensor_parallel import SequenceParallelNorm as SequenceParallelNorm
 from ._tensor_parallel import check_tp_linear as check_tp_linear
+from ._tensor_parallel import gpt2_plan as gpt2_plan
 from ._tensor_parallel import gpt_plan as gpt_plan
 from ._tensor_parallel import llama_plan as llama_plan
 from ._tensor_parallel import tensor_parallel as tensor_parallel
@@ -67,6 +68,7 @@ __all__ = [
     "compress_allreduce_hook",
     "compress_hook",
     "gaussian_gradients",
+    "gpt2_plan",
     "gpt_plan",
     "llama_plan",
     "mixed_precision_policy",

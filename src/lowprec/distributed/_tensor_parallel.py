@@ -18,9 +18,9 @@ dimension and block size otherwise),
 stochastic-rounding draws indexed by global element, delayed-scaling histories kept equal with
 ``sync_amax_histories(model, group)`` after every backward.
 
-``gpt_plan`` / ``llama_plan`` build the plan for the zoo's TinyGPT and for transformers Llama-style models (by
-module name) and check every divisibility rule before any process group exists; ``tensor_parallel(model, mesh)``
-applies one.
+``gpt_plan`` / ``llama_plan`` / ``gpt2_plan`` build the plan for the zoo's TinyGPT, for transformers Llama-style
+models and for GPT-2 (``Conv1D`` projections, weights stored [in, out]) by module name, and check every
+divisibility rule before any process group exists; ``tensor_parallel(model, mesh)`` applies one.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ class TensorParallelLinear(EmulatedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         keys = self._step_keys()
         w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        if self.transposed_weight:  # a transformers Conv1D stores [in, out]: the GEMMs take [out, in] (contiguous)
+            w = w.t().contiguous()
         b = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
         fn = ColwiseFn if self.lowprec_tp.kind == "colwise" else RowwiseFn
         return fn.apply(x, w, b, self, keys)  # type: ignore[no-any-return]
@@ -78,9 +80,6 @@ def check_tp_linear(module: nn.Module, kind: str, tp: int, *, chunks: int = 1, n
     if not isinstance(module, EmulatedLinear):
         raise UsageError(f"{where}: tensor-parallel styles need an EmulatedLinear (run lowprec.convert(model, "
                          f"recipe) first); got {type(module).__name__}")
-    if module.transposed_weight:
-        raise UsageError(f"{where}: a transformers Conv1D (weight stored [in, out]) is not supported by tensor "
-                         "parallelism; leave it out of the plan")
     if kind not in _SHARDED:
         raise UsageError(f"kind must be 'colwise' or 'rowwise'; got {kind!r}")
     if not isinstance(tp, int) or tp < 1:
@@ -109,24 +108,24 @@ def _mesh_size(mesh: Any, tp: int | None, what: str) -> int:
     return n
 
 
-def _strided_checkpoint_hooks(module: nn.Module, mesh: DeviceMesh, placement: Any) -> None:
+def _strided_checkpoint_hooks(module: nn.Module, mesh: DeviceMesh) -> None:
     """Make a fused projection's ``_StridedShard`` parameters checkpointable: torch's distributed checkpoint
     describes a DTensor shard as one contiguous chunk at the shard's offset, which strided q/k/v rows are not (it
     rejects them as overlapping chunks).  ``state_dict`` therefore holds their full tensors (an all-gather; a plain
     replicated tensor, which DCP saves once and reshards freely), and ``load_state_dict`` of a full tensor keeps
     this rank's strided rows (no communication)."""
-    names = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
+    places = {n: p.placements for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
 
     def save(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
-        for n in names:
+        for n in places:
             if isinstance(state.get(prefix + n), DTensor):
                 state[prefix + n] = state[prefix + n].full_tensor()
 
     def load(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
-        for n in names:
+        for n, placements in places.items():
             t = state.get(prefix + n)
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-                state[prefix + n] = distribute_tensor(t, mesh, [placement], src_data_rank=None)
+                state[prefix + n] = distribute_tensor(t, mesh, placements, src_data_rank=None)
 
     module.register_state_dict_post_hook(save)
     module.register_load_state_dict_pre_hook(load)
@@ -154,10 +153,17 @@ class _EmulatedParallel(ParallelStyle):
         self.sequence_parallel = bool(sequence_parallel)
         self.tp, self.chunks, self.lowp_gather, self.grad_comm = tp, chunks, lowp_gather, grad_comm
 
-    def _placement(self) -> Any:
-        if self.kind == "rowwise":
-            return Shard(1)
-        return Shard(0) if self.chunks == 1 else _StridedShard(0, split_factor=self.chunks)
+    def _placement(self, dim: int) -> Any:
+        return Shard(dim) if self.chunks == 1 else _StridedShard(dim, split_factor=self.chunks)
+
+    def _placements(self, module: EmulatedLinear) -> dict[str, list[Any]]:
+        """Parameter name -> placements: the weight's out_features (colwise) or in_features (rowwise) sharded,
+        a colwise bias sharded like the output, a rowwise bias replicated."""
+        dim = 0 if self.kind == "colwise" else 1
+        if module.transposed_weight:  # a transformers Conv1D stores [in, out]
+            dim = 1 - dim
+        bias = [self._placement(0)] if self.kind == "colwise" else [Replicate()]
+        return {"weight": [self._placement(dim)], "bias": bias}
 
     def _gather_in_format(self, module: EmulatedLinear, name: str) -> bool:
         if self.kind != "colwise" or not self.sequence_parallel or self.lowp_gather is False:
@@ -192,13 +198,13 @@ class _EmulatedParallel(ParallelStyle):
                       pieces=split_pieces(size, rank, world, self.chunks), size=size,
                       sequence_parallel=self.sequence_parallel, lowp_gather=self._gather_in_format(module, name),
                       wire=wire)
-        place = self._placement()
+        placements = self._placements(module)
         for pname, p in list(module.named_parameters(recurse=False)):
-            target = [place] if (pname == "weight" or self.kind == "colwise") else [Replicate()]
+            target = placements.get(pname, [Replicate()])
             module.register_parameter(pname, nn.Parameter(distribute_tensor(p.detach(), device_mesh, target),
                                                           requires_grad=p.requires_grad))
         if self.chunks > 1:
-            _strided_checkpoint_hooks(module, device_mesh, place)
+            _strided_checkpoint_hooks(module, device_mesh)
         module.lowprec_tp = info  # type: ignore[assignment]
         # every layer, as the data-parallel wrapper does: a fallback can move one to delayed scaling later
         module.amax_reduce = _max_reduce(group, module.amax_reduce)
@@ -342,14 +348,60 @@ def llama_plan(model: nn.Module, *, tp: int, grad_comm: GradComm | None = None) 
     return plan
 
 
+class _LocalSplit(ParallelStyle):
+    """GPT-2's attention splits its fused ``c_attn`` output with ``split(self.split_size)``, the full width; under
+    colwise ``c_attn`` each rank holds ``split_size / T`` of each of q, k and v, so the attribute is divided by
+    the mesh size (the head count is then inferred from ``head_dim``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = _mesh_size(device_mesh, None, "GPT-2 attention")
+        size = getattr(module, "split_size", None)
+        if not isinstance(size, int) or size % tp:
+            raise UsageError(f"GPT-2 attention split_size {size!r} is not divisible by TP={tp}")
+        setattr(module, "split_size", size // tp)  # noqa: B010 (an int attribute of a transformers module)
+        return module
+
+
+_GPT2 = (("*.attn.c_attn", "colwise", 3), ("*.attn.c_proj", "rowwise", 1), ("*.mlp.c_fc", "colwise", 1),
+         ("*.mlp.c_proj", "rowwise", 1))
+
+
+def gpt2_plan(model: nn.Module, *, tp: int, grad_comm: GradComm | None = None) -> dict[str, ParallelStyle]:
+    """The Megatron plan of a transformers GPT-2 (``Conv1D`` projections, weights stored [in, out]): ``c_attn``
+    colwise with whole heads of q, k and v per rank, ``attn.c_proj`` rowwise, ``mlp.c_fc`` colwise, ``mlp.c_proj``
+    rowwise; each attention's ``split_size`` becomes the local width.  ``config.n_head`` must be divisible by
+    ``tp``; no sequence parallelism (as ``llama_plan``)."""
+    heads = getattr(getattr(model, "config", None), "n_head", None)
+    if isinstance(heads, int) and heads % tp:
+        raise UsageError(f"config.n_head = {heads} is not divisible by TP={tp} (each rank needs whole heads); use a "
+                         f"TP degree that divides {heads}")
+    plan: dict[str, ParallelStyle] = {}
+    for name, _ in model.named_modules():
+        for pattern, kind, chunks in _GPT2:
+            if fnmatch.fnmatchcase(name, pattern):
+                check_tp_linear(_linear(model, name), kind, tp, chunks=chunks, name=name)
+                plan[name] = (EmulatedColwiseParallel(tp=tp, chunks=chunks, grad_comm=grad_comm)
+                              if kind == "colwise" else EmulatedRowwiseParallel(tp=tp))
+                if chunks > 1:
+                    plan[name.rsplit(".", 1)[0]] = _LocalSplit()
+    if not plan:
+        raise UsageError("gpt2_plan found no attn.c_attn/attn.c_proj/mlp.c_fc/mlp.c_proj modules; pass your own "
+                         "plan to tensor_parallel")
+    return plan
+
+
+def _is_gpt2(model: nn.Module) -> bool:
+    return any(fnmatch.fnmatchcase(n, "*.attn.c_attn") for n, _ in model.named_modules())
+
+
 def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, ParallelStyle] | None = None,
                     sequence_parallel: bool = False, grad_comm: GradComm | None = None,
                     recipe: Recipe | str | None = None) -> nn.Module:
-    """Apply ``plan`` (default: ``gpt_plan`` for a TinyGPT, ``llama_plan`` for a model with Llama projection
-    names) over the 1-D TP ``mesh`` with ``parallelize_module``; returns ``model``.  ``grad_comm``: the wire format
-    of the input-gradient partial sums (default: ``recipe.grad_comm`` where a recipe is given, else float32).
-    After every backward call ``sync_amax_histories(model, mesh.get_group())`` when the recipe uses delayed
-    scaling."""
+    """Apply ``plan`` (default: ``gpt_plan`` for a TinyGPT, ``gpt2_plan`` for a transformers GPT-2,
+    ``llama_plan`` for a model with Llama projection names) over the 1-D TP ``mesh`` with ``parallelize_module``;
+    returns ``model``.  ``grad_comm``: the wire format of the input-gradient partial sums (default:
+    ``recipe.grad_comm`` where a recipe is given, else float32).  After every backward call
+    ``sync_amax_histories(model, mesh.get_group())`` when the recipe uses delayed scaling."""
     tp = _mesh_size(mesh, None, "tensor_parallel")
     if grad_comm is None and recipe is not None:
         grad_comm = recipes.get(recipe).grad_comm
@@ -358,8 +410,9 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, plan: dict[str, Paral
             plan = gpt_plan(model, tp=tp, sequence_parallel=sequence_parallel, grad_comm=grad_comm)
         else:
             if sequence_parallel:
-                raise UsageError("sequence_parallel=True needs a plan that supports it (gpt_plan); llama_plan does not")
-            plan = llama_plan(model, tp=tp, grad_comm=grad_comm)
+                raise UsageError("sequence_parallel=True needs a plan that supports it (gpt_plan); llama_plan and "
+                                 "gpt2_plan do not")
+            plan = (gpt2_plan if _is_gpt2(model) else llama_plan)(model, tp=tp, grad_comm=grad_comm)
     parallelize_module(model, mesh, plan)
     return model
 
