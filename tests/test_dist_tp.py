@@ -382,6 +382,7 @@ def test_distributed_checkpoints_reshard_across_tp_layouts(dist_run: dict) -> No
     assert r1["tp2_to_tp2"] and r1["tp1_to_tp2"], r1
 
 
+@pytest.mark.slow  # in process, but importing transformers takes about 2 s
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
 def test_gpt2_plan_by_module_name() -> None:
     import transformers
