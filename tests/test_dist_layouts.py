@@ -15,11 +15,12 @@ import _dist_layouts_worker as w
 import numpy as np
 import pytest
 
+from lowprec.cli import main
 from lowprec.runs._config import CheckpointConfig, ParallelConfig
 from lowprec.runs._launch import RunFailed
 from lowprec.runs._runner import resume_run, run_config
 from lowprec.runs._store import RunStore
-from lowprec.testing import torchrun
+from lowprec.testing import TOLERANCES, torchrun
 
 pytestmark = pytest.mark.slow  # make test-slow: real torchrun process groups
 
@@ -130,3 +131,16 @@ def test_tp_run_resumes_on_one_process_and_back(runs: tuple[Path, dict[str, str]
         want = _loss(ref_store, ids["tp2/fp8-tensorwise"])
     assert np.array_equal(got[:10], want[:10])
     assert float(np.max(np.abs(got - want) / want)) <= LOSS_REL["tp2", "fp8-tensorwise"]
+
+
+def test_parity_cli_compares_a_tp_layout_with_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lowprec parity` on TP=2 vs one process: PASS within tp_vs_single_loss_rel, exit 0."""
+    opts = ", ".join(f"{k} = {v}" for k, v in w.GPT.items())
+    (tmp_path / "c.toml").write_text(f'model = "gpt-bytes"\nmodel_options = {{ {opts} }}\nrecipe = "fp8-tensorwise"\n'
+                                     "steps = 12\nbatch_size = 8\nseed = 0\nthreads = 1\n"
+                                     '[parallel]\nstrategy = "ddp"\nworld_size = 2\ntp = 2\n')
+    rc = main(["parity", str(tmp_path / "c.toml"), "--against", "single", "--quiet",
+               "--store", str(tmp_path / "runs.db")])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("PASS") and "over 12 steps" in out, out
+    assert f"tolerance {TOLERANCES['tp_vs_single_loss_rel'].value:g}" in out

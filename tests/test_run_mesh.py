@@ -207,3 +207,15 @@ def test_stage_optimizer_state_is_its_part_of_the_whole() -> None:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(mine.optimizer.state[copies[k]][key], whole.optimizer.state[params[i]][key])
     assert mine.steps == 1
+
+
+def test_parity_refuses_a_reference_it_cannot_train(tmp_path: Path) -> None:
+    from lowprec.testing import check_parity
+
+    cfg, _ = _gpt_config("fp32", world_size=2, tp=2)
+    with RunStore(tmp_path / "runs.db") as store:
+        with pytest.raises(ValueError, match=r"--against single is one process; --tp 2 / --pp 1 need --against ddp"):
+            check_parity(cfg, store=store, against="single", tp=2)
+        with pytest.raises(ValueError, match="is the config's own layout"):
+            check_parity(cfg, store=store, against="ddp", tp=2)
+        assert store.list_runs() == []

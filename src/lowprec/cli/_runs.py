@@ -467,7 +467,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     config = config_with_overrides(args)
     with open_store(config.store) as store:
         result = check_parity(config, store=store, against=args.against, world_size=args.world_size,
-                              progress=not args.quiet)
+                              progress=not args.quiet, tp=args.tp, pp=args.pp)
     print(result.summary())
     return 0 if result.passed else 1
 
@@ -525,6 +525,8 @@ def add_parsers(sub: Any) -> None:
     par.add_argument("config", metavar="CONFIG.toml")
     par.add_argument("--against", default="single", help="reference layout: single (default), ddp or fsdp2")
     par.add_argument("--world-size", type=int, help="world size of the reference layout (default: the config's)")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the reference layout (default 1)")
+    par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of the reference layout (default 1)")
     par.add_argument("--steps", type=int, help="override the config's steps")
     par.add_argument("--quiet", action="store_true")
     add_store_arg(par)
