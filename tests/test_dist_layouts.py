@@ -106,12 +106,13 @@ def test_layout_passes_the_judge_against_one_process_fp32(runs: tuple[Path, dict
     assert v.outcome == "pass", v.format_table()
 
 
-def test_tp_run_resumes_on_one_process_and_back(runs: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
-    """TP=2 fails at step 13 and resumes from its step-10 checkpoint on one process, which fails at step 23 and
-    resumes from its step-20 checkpoint with TP=2 again: every step once, the first 10 bit for bit those of the
-    uninterrupted TP=2 run, the rest within the one-process tolerance."""
+@pytest.mark.parametrize("layout", list(w.LAYOUTS))
+def test_run_resumes_on_one_process_and_back(runs: tuple[Path, dict[str, str]], tmp_path: Path, layout: str) -> None:
+    """TP=2 (PP=2) fails at step 13 and resumes from its step-10 checkpoint on one process, which fails at step 23
+    and resumes from its step-20 checkpoint in the first layout again: every step once, the first 10 bit for bit
+    those of the uninterrupted run, the rest within the layout's tolerance against one process."""
     tmp, ids = runs
-    par = w.LAYOUTS["tp2"]
+    par = w.LAYOUTS[layout]
     cfg = w.config("fp8-tensorwise", par, str(tmp_path / "runs.db"), model="_dist_layouts_worker:gpt_crash_at",
                    model_options={**w.GPT, "steps": [12, 22], "marker": str(tmp_path / "m")},
                    checkpoint=CheckpointConfig(interval=10))
@@ -128,9 +129,9 @@ def test_tp_run_resumes_on_one_process_and_back(runs: tuple[Path, dict[str, str]
             == [(10, 1, 2), (20, 2, 1)]
         got = _loss(store, rid)
     with RunStore(tmp / "runs.db") as ref_store:
-        want = _loss(ref_store, ids["tp2/fp8-tensorwise"])
+        want = _loss(ref_store, ids[f"{layout}/fp8-tensorwise"])
     assert np.array_equal(got[:10], want[:10])
-    assert float(np.max(np.abs(got - want) / want)) <= LOSS_REL["tp2", "fp8-tensorwise"]
+    assert float(np.max(np.abs(got - want) / want)) <= LOSS_REL[layout, "fp8-tensorwise"]
 
 
 def test_parity_cli_compares_a_tp_layout_with_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
