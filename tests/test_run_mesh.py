@@ -219,3 +219,14 @@ def test_parity_refuses_a_reference_it_cannot_train(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="is the config's own layout"):
             check_parity(cfg, store=store, against="ddp", tp=2)
         assert store.list_runs() == []
+
+
+def test_docs_layout_example_is_a_valid_config() -> None:
+    """Oracle: RunConfig.from_toml and the model checks accept docs/runs.md's layout example as is."""
+    import re
+
+    text = (Path(__file__).parents[1] / "docs" / "runs.md").read_text()
+    (block,) = re.findall(r"```toml layout\n(.*?)```", text, flags=re.S)
+    cfg = RunConfig.from_toml(block, where="docs/runs.md")
+    assert layout_of(cfg.parallel) == Layout(tp=2)
+    check_model_layout(cfg, get_task(cfg.model, seed=0, **cfg.model_options), int(cfg.batch_size or 0))
