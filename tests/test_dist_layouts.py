@@ -80,6 +80,9 @@ def test_layout_matches_one_process(runs: tuple[Path, dict[str, str]], layout: s
         got, want = _loss(store, ids[f"{layout}/{recipe}"]), _loss(store, ids[f"single/{recipe}"])
         rec = store.get_run(ids[f"{layout}/{recipe}"])
         ev = store.scalars(rec.run_id)["eval/loss"][1]
+        sent = store.scalars(rec.run_id).get("comm/bytes_sent")
+    if layout == "tp2":  # the TP collectives' bytes (tp_stats), every step
+        assert sent is not None and len(sent[1]) == w.STEPS and (sent[1] > 0).all()
     assert rec.status == "completed" and rec.manifest["world_size"] == 2
     assert rec.config["parallel"][layout[:2]] == 2
     rel = float(np.max(np.abs(got - want) / want))
@@ -134,14 +137,18 @@ def test_run_resumes_on_one_process_and_back(runs: tuple[Path, dict[str, str]], 
     assert float(np.max(np.abs(got - want) / want)) <= LOSS_REL[layout, "fp8-tensorwise"]
 
 
-def test_parity_cli_compares_a_tp_layout_with_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`lowprec parity` on TP=2 vs one process: PASS within tp_vs_single_loss_rel, exit 0."""
+def test_parity_cli_fsdp2_x_tp_2x2_against_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lowprec parity` on FSDP2 x TP (4 processes: dp_shard 2 x tp 2, FSDP2 sharding the TP DTensors) vs one
+    process, fp32: PASS within tp_vs_single_loss_rel (measured 9.5e-8 over 12 steps), exit 0."""
     opts = ", ".join(f"{k} = {v}" for k, v in w.GPT.items())
-    (tmp_path / "c.toml").write_text(f'model = "gpt-bytes"\nmodel_options = {{ {opts} }}\nrecipe = "fp8-tensorwise"\n'
+    (tmp_path / "c.toml").write_text(f'model = "gpt-bytes"\nmodel_options = {{ {opts} }}\nrecipe = "fp32"\n'
                                      "steps = 12\nbatch_size = 8\nseed = 0\nthreads = 1\n"
-                                     '[parallel]\nstrategy = "ddp"\nworld_size = 2\ntp = 2\n')
+                                     '[parallel]\nstrategy = "fsdp2"\nworld_size = 4\ntp = 2\n')
     rc = main(["parity", str(tmp_path / "c.toml"), "--against", "single", "--quiet",
                "--store", str(tmp_path / "runs.db")])
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("PASS") and "over 12 steps" in out, out
     assert f"tolerance {TOLERANCES['tp_vs_single_loss_rel'].value:g}" in out
+    with RunStore(tmp_path / "runs.db") as store:
+        (rec,) = [r for r in store.list_runs() if r.manifest["world_size"] == 4]
+        assert rec.config["parallel"]["tp"] == 2 and rec.name == "gpt-bytes fp32 dp_shard2 x tp2 seed 0"

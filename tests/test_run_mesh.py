@@ -122,7 +122,7 @@ def test_jax_refuses_model_parallel_layouts() -> None:
 def _gpt_config(recipe: str = "fp8-tensorwise", **par: object) -> tuple[RunConfig, object]:
     opts = {**GPT, **par.pop("model_options", {})}  # type: ignore[dict-item]
     cfg = RunConfig(model="gpt-bytes", model_options=opts, recipe=recipes.get(recipe),
-                    parallel=ParallelConfig(strategy="ddp", **par))  # type: ignore[arg-type]
+                    parallel=ParallelConfig(**{"strategy": "ddp", **par}))  # type: ignore[arg-type]
     return cfg, get_task("gpt-bytes", seed=0, batch_size=8, **opts)
 
 
@@ -138,7 +138,12 @@ def _gpt_config(recipe: str = "fp8-tensorwise", **par: object) -> tuple[RunConfi
     ("fp32", {"world_size": 2, "pp": 2, "model_options": {"tie_head": True}}, 8, r"parallel.pp = 2: .*tied weight"),
     ("fp32", {"world_size": 2, "pp": 2, "microbatches": 3}, 8, r"batch_size 8 is not divisible by dp 1 x "
                                                                r"microbatches 3 = 3"),
-    ("fp32", {"world_size": 4, "tp": 2}, 8, r"parallel.tp = 2 with a data-parallel degree of 2.*not yet"),
+    ("fp32", {"world_size": 4, "tp": 2}, 8, r"parallel.tp = 2 with a data-parallel degree of 2 .*under "
+                                            r"parallel.strategy 'ddp'.*set parallel.strategy = \"fsdp2\""),
+    ("fp32", {"world_size": 4, "pp": 2, "strategy": "fsdp2"}, 8, r"parallel.pp = 2 with a data-parallel degree of "
+                                                                 r"2 .*PP not yet"),
+    ("fp32", {"world_size": 8, "tp": 2, "strategy": "hsdp", "mesh_shape": (2, 2)}, 8, r"under parallel.strategy "
+                                                                                       r"'hsdp'.*FSDP2 shards only"),
     ("fp32", {"world_size": 4, "tp": 2, "pp": 2}, 8, r"tensor parallelism inside pipeline stages is not supported"),
     ("bf16-sr", {"world_size": 2, "tp": 2}, 8, r"recipe.weights.update = 'stochastic'"),
 ])
@@ -151,7 +156,8 @@ def test_model_checks_before_any_process(recipe: str, par: dict, batch: int, mat
 def test_model_checks_accept_what_the_runner_trains() -> None:
     for recipe, par in [("mxfp8", {"world_size": 2, "tp": 2}), ("fp8-tensorwise", {"world_size": 2, "tp": 2,
                                                                                     "sequence_parallel": True}),
-                        ("mxfp8", {"world_size": 2, "pp": 2, "microbatches": 4, "pp_schedule": "gpipe"})]:
+                        ("mxfp8", {"world_size": 2, "pp": 2, "microbatches": 4, "pp_schedule": "gpipe"}),
+                        ("fp8-tensorwise", {"world_size": 4, "tp": 2, "strategy": "fsdp2"})]:
         cfg, task = _gpt_config(recipe, **par)
         check_model_layout(cfg, task, 8)  # type: ignore[arg-type]
 

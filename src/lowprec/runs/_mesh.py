@@ -170,10 +170,12 @@ def check_supported(config: RunConfig) -> None:
     if p.tp > 1 and p.pp > 1:
         raise UsageError(f"parallel.tp = {p.tp} with parallel.pp = {p.pp}: tensor parallelism inside pipeline "
                          "stages is not supported by the runner; use one of them")
-    if layout.dp > 1:
-        raise UsageError(f"{what} with a data-parallel degree of {layout.dp} (world_size {p.world_size}): the runner "
-                         f"composes {'TP' if p.tp > 1 else 'PP'} with data parallelism not yet; set world_size = "
-                         f"{p.tp * p.pp}, or use data parallelism alone")
+    if layout.dp > 1 and (p.pp > 1 or p.strategy != "fsdp2"):
+        fix = ("set parallel.strategy = \"fsdp2\" (FSDP2 x TP is what the runner composes)" if p.tp > 1 and
+               p.strategy == "ddp" else f"set world_size = {p.tp * p.pp}, or use data parallelism alone")
+        raise UsageError(f"{what} with a data-parallel degree of {layout.dp} (world_size {p.world_size}) under "
+                         f"parallel.strategy {p.strategy!r}: the runner composes data parallelism with "
+                         f"{'TP as FSDP2 shards only' if p.tp > 1 else 'PP not yet'}; {fix}")
     r = config.recipe
     if r.fallback is not None:
         raise UsageError(f"{what}: recipe.fallback swaps layers while training, which a split model cannot "

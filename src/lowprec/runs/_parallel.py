@@ -193,20 +193,33 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
 
 def _tensor_parallel(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
     """TP over the mesh's "tp" dimension (``lowprec.distributed.tensor_parallel``, the model's plan): DTensor
-    weights, tensorwise amaxes MAX-reduced over the TP group, delayed histories synchronised after every backward;
-    ``comm_bytes``: what the TP collectives sent in the last step (``tp_stats``)."""
-    from ..distributed import sync_amax_histories, tensor_parallel, tp_stats
+    weights, tensorwise amaxes MAX-reduced over the TP group, delayed histories synchronised after every backward.
+    With data-parallel shards ("fsdp2"), FSDP2 then shards those DTensors over the "dp_shard" dimension (2-D
+    parameters; float32 all-gathers), and amaxes and histories are MAX-reduced over every rank.  ``comm_bytes``:
+    what the TP collectives sent plus what FSDP2 gathered in the last step."""
+    from ..distributed import allgather_bytes, shard_model, sync_amax_histories, tensor_parallel, tp_stats
+    from ..nn import EmulatedLinear
 
     assert world.layout is not None and world.mesh is not None
+    sharded = world.layout.dp > 1
+    def amax_max(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+    if sharded:
+        for m in model.modules():  # first-step delayed scales from the global batch, as under FSDP2 alone
+            if isinstance(m, EmulatedLinear):
+                m.amax_reduce = amax_max
     mesh = world.mesh["tp"]
     tensor_parallel(model, mesh, sequence_parallel=world.layout.sequence_parallel, grad_comm=recipe.grad_comm)
-    group = mesh.get_group()
+    group = None if sharded else mesh.get_group()
+    if sharded:
+        model = shard_model(model, recipe, mesh=world.mesh["dp_shard"], lowp_all_gather=False)
     seen = [0]
 
     def sent() -> int:
         total = sum(tp_stats(model).values())
         step, seen[0] = total - seen[0], total
-        return step
+        return step + (allgather_bytes(model, reset=True) if sharded else 0)
 
     def sync() -> None:
         sync_amax_histories(model, group)

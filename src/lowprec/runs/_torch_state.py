@@ -155,7 +155,7 @@ def save_state(r: ResolvedConfig, run_id: str, st: State, store: RunStore) -> No
     directory = checkpoint_dir(store, run_id)
     extra = {"run_id": run_id, "step": st.step, "torch_rng": torch.get_rng_state(), "config": r.config.to_dict(),
              "world_size": st.world.size, "fallback": st.fallback.state_dict() if st.fallback is not None else None}
-    if st.world.strategy in SHARDED:
+    if st.world.strategy in SHARDED and st.world.tp == 1:  # TP: DCP cannot save a fused qkv (docs/runs.md)
         from ._dcp import manifest_digest, save_sharded
 
         path = save_sharded(directory, st.step, st.model, st.optimizer, extra, keep=r.checkpoint_keep,
