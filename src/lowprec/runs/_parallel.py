@@ -8,6 +8,11 @@ Data parallelism splits each global batch: the task's batch for a step is the sa
 function of (seed, step)), and rank ``r`` of ``W`` trains on rows ``[r B/W, (r+1) B/W)``.  With equal shards, the
 mean of the per-rank mean losses is the global mean loss, so DDP's averaged gradient equals the single-process
 gradient up to the order of the floating-point additions.
+
+Under a tensor- or pipeline-parallel layout (``World.layout``, ``_mesh``) ``init_world`` also builds the run's
+``DeviceMesh``; the batch is split over the data-parallel ranks only (``dp_rank`` of ``dp_size``), ``wrap_model``
+applies tensor parallelism over ``mesh["tp"]`` (then FSDP2 over ``mesh["dp_shard"]``), and a pipeline is the
+runner's (``_pp_runner``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,10 @@ state and the fallback decisions, and resuming gives the same curve, bit for bit
 - ``restore_state``: continue a stored run where ``_resume.choose`` says, trying each candidate file checkpoint
   by loading it into this process's model and optimizer, and reopen the run in the store from that step.
 
-Either kind of checkpoint resumes on any world size and layout.
+Either kind of checkpoint resumes on any world size and layout.  Tensor- and pipeline-parallel runs (``parallel.tp``
+/ ``pp``) write the file kind with the full state gathered (``_tp_full_state``; ``_pp_runner.full_optimizer_state``)
+in a single process's format, so they resume on one process and one process's checkpoints resume in them;
+torch.distributed.checkpoint cannot save the fused qkv's ``_StridedShard`` placement (torch 2.13).
 """
 
 from __future__ import annotations
