@@ -20,6 +20,12 @@ processes falls on all of them alike.  ``bytes_ratio_vs_fp32`` = fp32 bytes / mo
 
 ``fsdp2`` reports FSDP2 weight all-gather bytes per step (``fsdp2_allgather_bytes``): float32 gathers vs fp8 and
 MXFP8 low-precision gathers of the same MLP.
+
+``tp_pp`` (``--layouts``, default on; ``_layout_bytes.py``): bytes per step per rank of the zoo GPT under tensor
+parallelism (with and without sequence parallelism) and GPipe pipeline parallelism for fp32, bf16, fp8-tensorwise
+and MXFP8, measured on the ranks and against the closed-form model of ``_layout_bytes.predict``
+(``model_worst_error``: 0 when every count is what the model says), and the model's bytes for TP=8, TP=8 + SP and
+PP=16 on a Llama-3-8B-sized decoder (``at_scale``).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--lowprec-backend", default="eager", choices=["eager", "auto", "compiled"])
+    p.add_argument("--no-layouts", action="store_true", help="skip the tensor/pipeline-parallel byte counts")
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)  # set by the launcher for the workers
     return p.parse_args(argv)
 
@@ -153,6 +160,11 @@ def _worker(args: argparse.Namespace) -> None:
         for m in out["modes"].values():
             m["step_ratio_vs_fp32"] = m["step_ms"] / base["step_ms"]
     out["fsdp2"] = fsdp2_allgather_bytes(world)
+    if not args.no_layouts:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import _layout_bytes
+
+        out["tp_pp"] = _layout_bytes.measure(world)
     if "fp8" in out["modes"]:
         out["fp8_at_least_3.9x_fewer_bytes"] = out["modes"]["fp8"]["bytes_ratio_vs_fp32"] >= 3.9
     if rank == 0:
