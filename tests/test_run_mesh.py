@@ -162,6 +162,13 @@ def test_model_checks_accept_what_the_runner_trains() -> None:
         check_model_layout(cfg, task, 8)  # type: ignore[arg-type]
 
 
+def test_fsdp2_x_tp_refuses_checkpoints() -> None:
+    cfg, task = _gpt_config("fp32", world_size=4, tp=2, strategy="fsdp2")
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, interval=10))
+    with pytest.raises(ValueError, match=r"checkpoint.interval = 10 with FSDP2 x TP .*set checkpoint.interval = 0"):
+        check_model_layout(cfg, task, 8)  # type: ignore[arg-type]
+
+
 def test_pp_needs_a_model_with_pieces() -> None:
     cfg = RunConfig(model="mlp-digits", parallel=ParallelConfig(strategy="ddp", world_size=2, pp=2))
     with pytest.raises(ValueError, match=r"parallel.pp = 2: a .* has no pipeline_pieces\(\) method"):

@@ -176,6 +176,11 @@ def check_supported(config: RunConfig) -> None:
         raise UsageError(f"{what} with a data-parallel degree of {layout.dp} (world_size {p.world_size}) under "
                          f"parallel.strategy {p.strategy!r}: the runner composes data parallelism with "
                          f"{'TP as FSDP2 shards only' if p.tp > 1 else 'PP not yet'}; {fix}")
+    if p.tp > 1 and layout.dp > 1 and config.checkpoint.interval:
+        raise UsageError(f"checkpoint.interval = {config.checkpoint.interval} with FSDP2 x TP (parallel.tp = {p.tp}, "
+                         f"dp_shard = {layout.dp}): the fused qkv's 2-D (FSDP shard over TP strided shard) full "
+                         "state does not load back exactly in torch 2.13, so these runs write no checkpoints; set "
+                         "checkpoint.interval = 0, or use TP alone (world_size = tp), whose checkpoints resume")
     r = config.recipe
     if r.fallback is not None:
         raise UsageError(f"{what}: recipe.fallback swaps layers while training, which a split model cannot "

@@ -100,6 +100,10 @@ def _tp_load_full_state(st: State, model_sd: dict[str, Any], opt_sd: dict[str, A
         set_optimizer_state_dict,
     )
 
+    if st.world.dp_size > 1:
+        raise UsageError("a run cannot continue as FSDP2 x TP: the fused qkv's 2-D (FSDP shard over TP strided "
+                         "shard) state does not load exactly in torch 2.13; resume it with TP alone (world_size = "
+                         "tp) or on one process")
     o = StateDictOptions(full_state_dict=True)
     model = unwrap(st.model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -155,6 +159,8 @@ def save_state(r: ResolvedConfig, run_id: str, st: State, store: RunStore) -> No
     """Single/DDP: rank 0 saves the full state (replicas are identical) in one checksummed file.  FSDP2/HSDP: every
     rank saves its shards with torch.distributed.checkpoint.  Either kind resumes on any world size and layout.
     The files go next to the store that holds the run, and rank 0 records each one's digest in it (``_resume``)."""
+    if st.world.tp > 1 and st.world.dp_size > 1:
+        return  # FSDP2 x TP: no checkpoints (_mesh.check_supported: its 2-D fused-qkv state does not load back)
     directory = checkpoint_dir(store, run_id)
     extra = {"run_id": run_id, "step": st.step, "torch_rng": torch.get_rng_state(), "config": r.config.to_dict(),
              "world_size": st.world.size, "fallback": st.fallback.state_dict() if st.fallback is not None else None}
