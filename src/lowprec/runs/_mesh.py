@@ -222,18 +222,23 @@ def check_model_layout(config: RunConfig, task: Task, batch_size: int) -> None:
 
 
 def _check_tp(model: Any, layout: Layout) -> None:
+    """The plan ``tensor_parallel`` would apply, built (and so checked) without a process group: ``gpt_plan`` for
+    the zoo GPT, ``gpt2_plan`` for a transformers GPT-2 (``*.attn.c_attn``), ``llama_plan`` otherwise."""
+    import fnmatch
+
     from torch import nn
 
-    from ..distributed import gpt_plan, llama_plan
+    from ..distributed import gpt2_plan, gpt_plan, llama_plan
 
     try:
         if isinstance(getattr(model, "blocks", None), nn.ModuleList):
             gpt_plan(model, tp=layout.tp, sequence_parallel=layout.sequence_parallel)
-        else:
-            if layout.sequence_parallel:
-                raise UsageError("sequence parallelism needs the zoo GPT's plan (gpt_plan); set "
-                                 "sequence_parallel = false")
-            llama_plan(model, tp=layout.tp)
+            return
+        if layout.sequence_parallel:
+            raise UsageError("sequence parallelism needs the zoo GPT's plan (gpt_plan); set "
+                             "sequence_parallel = false")
+        gpt2 = any(fnmatch.fnmatchcase(n, "*.attn.c_attn") for n, _ in model.named_modules())
+        (gpt2_plan if gpt2 else llama_plan)(model, tp=layout.tp)
     except UsageError as e:
         raise UsageError(f"parallel.tp = {layout.tp}: {e}") from None
 

@@ -215,7 +215,7 @@ def _tensor_parallel(model: torch.nn.Module, recipe: Recipe, world: World) -> Wr
             if isinstance(m, EmulatedLinear):
                 m.amax_reduce = amax_max
     mesh = world.mesh["tp"]
-    tensor_parallel(model, mesh, sequence_parallel=world.layout.sequence_parallel, grad_comm=recipe.grad_comm)
+    tensor_parallel(model, mesh, sequence_parallel=world.layout.sequence_parallel, recipe=recipe)
     group = None if sharded else mesh.get_group()
     if sharded:
         model = shard_model(model, recipe, mesh=world.mesh["dp_shard"], lowp_all_gather=False)

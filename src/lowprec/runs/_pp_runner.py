@@ -89,7 +89,7 @@ def full_optimizer_state(pipe: Pipeline, optimizer: Any) -> dict[str, Any]:
     for s, c in parts:
         state.update(s)
         compensation.update(c)
-    groups = [{**g, "params": list(range(pipe._n_params))} for g in inner["param_groups"]]
+    groups = [{**g, "params": list(range(pipe.n_params))} for g in inner["param_groups"]]
     return {**own, "optimizer": {"state": dict(sorted(state.items())), "param_groups": groups},
             "compensation": dict(sorted(compensation.items()))}
 
