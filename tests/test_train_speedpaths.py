@@ -469,3 +469,43 @@ def test_convert_marks_linears_after_relu_like_modules_without_running_the_model
     lowprec.convert(seq, "fp8-tensorwise")
     assert {n for n, m in seq.named_modules() if getattr(m, "input_after_mask", False)} == {"2", "5.1", "9"}
     assert counting.calls == 0
+
+
+@pytest.mark.slow  # make test-slow: four compiled models, 15-25 s per recipe on 2 cores
+@pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated")
+@pytest.mark.parametrize("recipe", ["bf16", "fp16-dynamic-loss-scale"])
+def test_traced_quantizers_save_no_relu_mask_and_keep_the_eager_bits(recipe: str) -> None:
+    """bf16 / fp16 operands are quantized by traced code inside torch.compile (not the opaque operator): a linear
+    after a ReLU still saves its input unquantized, so the compiled graph saves no bool mask (checked with
+    saved-tensor hooks, and seen to appear when the linears are not marked), and the loss and gradients keep the
+    eager bits.  No biases (inductor sums a bias gradient in another order than eager PyTorch)."""
+    torch.manual_seed(1)
+    base = nn.Sequential(nn.Linear(24, 40, bias=False), nn.ReLU(), nn.Linear(40, 16, bias=False), nn.ReLU(),
+                         nn.Linear(16, 8, bias=False))
+    x = torch.randn(6, 24)
+
+    def run(model: nn.Module, compiled: bool) -> tuple[torch.Tensor, list[torch.dtype]]:
+        saved: list[torch.dtype] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t.dtype)
+            return t
+
+        torch._dynamo.reset()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = (torch.compile(model) if compiled else model)(x).square().sum()
+        loss.backward()
+        return loss.detach(), saved
+
+    eager, compiled, unmarked = (lowprec.convert(copy.deepcopy(base), recipe) for _ in range(3))
+    ref, _ = run(eager, False)
+    loss, saved = run(compiled, True)
+    assert torch.bool not in saved, saved
+    assert_bitwise_equal(loss, ref, context=recipe)
+    for (name, pa), pb in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert_bitwise_equal(pb.grad, pa.grad, context=f"{recipe} {name}")  # type: ignore[arg-type]
+    for m in unmarked.modules():
+        if hasattr(m, "input_after_mask"):
+            m.input_after_mask = False
+    _, saved_unmarked = run(unmarked, True)
+    assert torch.bool in saved_unmarked  # the control: without the marks the partitioner saves ReLU's mask

@@ -126,6 +126,12 @@ def _nearest_magnitude_float_route(a: torch.Tensor, fmt: FormatSpec) -> torch.Te
     return (v + c) - c
 
 
+def traced_nearest_is_fast(fmt: FormatSpec) -> bool:
+    """Whether round-to-nearest onto ``fmt`` traces, inside torch.compile, to a route inductor vectorizes (the
+    bf16 bit form or the float route of ``quantize_f32``); the integer route of other formats does not."""
+    return fmt.name == "bfloat16" or _float_route_ok(fmt)
+
+
 def _float_route_ok(fmt: FormatSpec) -> bool:
     """Formats the float route handles: ``v + C`` must stay finite for ``v`` up to ``2 * max``, so not the formats
     with float32's exponent range (bfloat16 takes its bit form, tf32 the integer route)."""
