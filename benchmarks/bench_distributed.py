@@ -31,6 +31,7 @@ PP=16 on a Llama-3-8B-sized decoder (``at_scale``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -169,6 +170,11 @@ def _worker(args: argparse.Namespace) -> None:
         out["fp8_at_least_3.9x_fewer_bytes"] = out["modes"]["fp8"]["bytes_ratio_vs_fp32"] >= 3.9
     if rank == 0:
         Path(args.out).write_text(json.dumps(out, indent=2))
+    # models in reference cycles (DDP, FSDP2, DTensor modules, pipeline stages) freed while the interpreter and the
+    # process group are alive, and no rank tearing down gloo while a peer still talks to it: otherwise a gloo
+    # thread can end the rank with "terminate called without an active exception" (runs/_runner.py)
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
