@@ -84,6 +84,72 @@ def test_round_nearest_fast_matches_kernel(route: str, name: str, saturate: bool
     assert checked >= 3
 
 
+def _bf16_patterns(low_bits: list[int]) -> torch.Tensor:
+    """Every float32 whose high 16 bits run through all 2^16 values (every sign, exponent and bfloat16 mantissa:
+    zeros, subnormals, the largest finite, inf, every NaN payload high half) with each given low half."""
+    hi = torch.arange(1 << 16, dtype=torch.int64) << 16
+    bits = (hi[:, None] | torch.tensor(low_bits, dtype=torch.int64)[None, :]).reshape(-1)
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+
+
+_BF16_LOW = [0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF]  # exact, just above, just below, at and past the tie, max
+
+
+@pytest.mark.parametrize("saturate", [False, True])
+def test_bf16_one_pass_kernel_matches_integer_route_on_every_high_half(saturate: bool) -> None:
+    """``_native.round_bf16`` (one pass, no amax pass, NaN and inf taken too) against the integer kernel on
+    393,216 bit patterns that include every NaN high half and inf; a new tensor and in place; and through the
+    public ``quantize`` and the bf16 GEMM output rounding (``_linear.product``)."""
+    if not _native.available():
+        pytest.skip("no C compiler here: the native kernels are not built")
+    fmt = formats.get("bfloat16")
+    v = _bf16_patterns(_BF16_LOW)
+    expected = quantize_f32(v, fmt, rounding="nearest", saturate=saturate, rbits=None)
+    assert bool(torch.isnan(v).any()) and bool(torch.isinf(v).any())
+    before = v.clone()
+    assert_bitwise_equal(_native.round_bf16(v, saturate=saturate), expected, context="new tensor")
+    assert_bitwise_equal(v, before, context="input unchanged")
+    w = v.clone()
+    assert _native.round_bf16(w, saturate=saturate, out=w) is w
+    assert_bitwise_equal(w, expected, context="in place")
+    assert_bitwise_equal(lowprec.quant.quantize(v, "bfloat16", saturate=saturate), expected, context="quantize")
+    got = round_nearest_fast(v, fmt, saturate=saturate)
+    assert got is not None  # the one-pass kernel takes non-finite values: never declined
+    assert_bitwise_equal(got, expected, context="round_nearest_fast")
+
+
+def test_bf16_one_pass_kernel_split_across_threads_matches() -> None:
+    """A tensor of 2^22 elements goes through ``_parallel``'s split (two ranges on two threads): same bits."""
+    if not _native.available():
+        pytest.skip("no C compiler here: the native kernels are not built")
+    v = _bf16_patterns(list(range(0x7FC0, 0x8000)))  # 2^16 x 64: the low halves just below the tie
+    assert v.numel() >= 2 * lowprec.quant._parallel.PASS_MIN_PER_THREAD
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = _native.round_bf16(v, saturate=False)
+    finally:
+        torch.set_num_threads(threads)
+    expected = quantize_f32(v, formats.get("bfloat16"), rounding="nearest", saturate=False, rbits=None)
+    assert_bitwise_equal(got, expected, context="split")
+
+
+def test_bf16_gemm_output_is_rounded_in_place_with_the_reference_bits() -> None:
+    """The bf16 recipes' GEMM output rounding (``product``) rounds the GEMM's fresh result in place: the bits of
+    ``quantize(a @ b^T, bfloat16)``, NaN and inf from the GEMM included."""
+    spec = lowprec.recipes.get("bf16").linear.forward
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(64, 48, generator=g), torch.randn(32, 48, generator=g)
+    a[3, 7], a[5, 0], b[2, 1] = float("inf"), float("nan"), 3e38
+    ref = a @ b.t()
+    with _native.enabled(False):
+        expected = lin_mod.product(a, b, spec)
+    assert_bitwise_equal(expected, quantize_f32(ref, formats.get("bfloat16"), rounding="nearest", saturate=False,
+                                                rbits=None), context="tensor route")
+    assert bool(torch.isnan(expected).any()) and bool(torch.isinf(expected).any())
+    assert_bitwise_equal(lin_mod.product(a, b, spec), expected, context="native in place")
+
+
 def test_round_nearest_fast_declines_nonfinite_and_keeps_input(route: str) -> None:
     fmt = formats.get("float8_e4m3fn")
     v = torch.tensor([1.0, float("nan")])

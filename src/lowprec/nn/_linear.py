@@ -32,7 +32,7 @@ from torch import nn
 
 from .. import formats
 from .._errors import UsageError
-from ..quant import _native_op, _random
+from ..quant import _native, _native_op, _random
 from ..quant import quantize as _quantize
 from ..quant._scaled import fake_quantize_tensors
 from ..recipes import Gemm, LinearRecipe, Operand
@@ -80,9 +80,12 @@ def quantize_operand(
 def product(qa: torch.Tensor, qb: torch.Tensor, spec: Gemm) -> torch.Tensor:
     """``qa @ qb^T`` of already quantized operands through the GEMM's accumulator and output rounding."""
     out = accumulate_matmul(qa, qb, spec.accumulator)
-    if spec.output_format is not None:
-        out = _quantize(out, formats.get(spec.output_format))
-    return out
+    if spec.output_format is None:
+        return out
+    if spec.output_format == "bfloat16" and _native.usable(out):
+        # the GEMM's own fresh result, rounded in place in one pass (no second tensor, no amax pass)
+        return _native.round_bf16(out, saturate=False, out=out)
+    return _quantize(out, formats.get(spec.output_format))
 
 
 def gemm(

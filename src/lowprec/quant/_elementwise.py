@@ -105,12 +105,17 @@ def round_nearest_fast(
     layout is returned.  With ``sign`` (a tensor with the signs of ``v``, e.g. the unscaled ``x`` of ``v = x * m``)
     ``v`` is the caller's scratch tensor: it is rounded in place and returned.  ``vmax``: ``max |v|`` when the
     caller knows it (it must then know that ``v`` is finite); otherwise it is read back to Python (eager only).
-    ``native_only``: None also where the fused C loop (``_native``) does not apply.
+    ``native_only``: None also where the fused C loop (``_native``) does not apply.  Unscaled bfloat16 (no
+    ``vmax``; ``sign`` absent or ``v`` itself) of a tensor the C loops take is one pass on the bits that handles NaN
+    and inf as well (``_native.round_bf16``): never None.
     """
     if not fast_round_ok(fmt, "nearest") or v.numel() == 0 or v.dtype != torch.float32:
         return None
     if native_only and not _native.usable(v):
         return None
+    if fmt.name == "bfloat16" and vmax is None and (sign is None or sign is v) and _native.usable(v):
+        # unscaled bfloat16: one pass on the bits that takes NaN and inf as well (``_native.round_bf16``)
+        return _native.round_bf16(v, saturate=saturate, out=v if sign is not None else None)
     if vmax is None and _native.usable(v):
         vmax = _native.absmax(v)
         if vmax is None:
@@ -220,7 +225,8 @@ def quantize(
     mode = check_rounding(rounding)
     saturate = check_bool(saturate, "saturate")
     keys, off = stochastic_args(mode, seed, offset, x.numel(), x.device)
-    native = _backend.runs_native(x.numel())  # large tensors under "auto": the native kernels, else compiled
+    # large tensors under "auto": the native kernels, else compiled; XLA tensors: the traced kernel
+    native = _backend.runs_native(x.numel()) and not _backend.traces_lazily(x)
     if keys is None and native and fast_round_ok(spec, mode):
         native_only = not _backend.runs_eager(x.numel())
         r = round_nearest_fast(x.to(torch.float32), spec, saturate=saturate, native_only=native_only)

@@ -26,6 +26,31 @@ int lp_absmax(const float *x, int64_t n, float *amax)
     return m < 0x7f800000u;
 }
 
+/* y[i] = bfloat16 round-to-nearest-even of x[i] on the bits, one pass for every input (no amax pass first):
+ * bfloat16 is float32 with the low 16 bits dropped (same exponent field, subnormals included), so RNE is
+ * (b + 0x7fff + bit16) & 0xffff0000 on the bits b; the carry steps the magnitude to the next bfloat16 up, or from
+ * the largest finite one to inf (IEEE overflow), and never reaches the sign.  saturate: finite magnitudes above
+ * bfloat16's max (bits 0x7f7f0000) become +-max first (clamping before rounding = rounding then saturating: max
+ * is on the grid).  NaN and inf pass unchanged (inf stays inf even when saturating), as in the integer route
+ * (_round.quantize_f32).  Branch-free selects: the loop vectorizes.  y may be x (in place). */
+void lp_round_bf16(const uint32_t *x, uint32_t *y, int64_t n, int saturate)
+{
+    if (saturate) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t b = x[i], a = b & 0x7fffffffu;
+            uint32_t v = (a > 0x7f7f0000u && a < 0x7f800000u) ? ((b & 0x80000000u) | 0x7f7f0000u) : b;
+            uint32_t r = (v + 0x7fffu + ((v >> 16) & 1u)) & 0xffff0000u;
+            y[i] = a < 0x7f800000u ? r : b;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t b = x[i];
+            uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+            y[i] = (b & 0x7fffffffu) < 0x7f800000u ? r : b;
+        }
+    }
+}
+
 /* y[i] = RNE(clamp(x[i] * mul)) * post: round-to-nearest-even onto a float format's grid by the float32 route
  *     c = max(2^E(v) * k, cmin),   RNE(v) = (v + c) - c,   E(v) = floor(log2 |v|)
  * (k = 1.5 * 2^(23 - M), cmin = 1.5 * 2^(23 + emin - M); the proof is in _elementwise.py's docstring).

@@ -54,6 +54,8 @@ def _build() -> ctypes.CDLL | None:
     lib.lp_absmax.restype = i32
     lib.lp_round_nearest.argtypes = [ptr, ptr, i64, f32, i32, f32, i32, f32, f32, i32, f32, i32]
     lib.lp_round_nearest.restype = None
+    lib.lp_round_bf16.argtypes = [ptr, ptr, i64, i32]
+    lib.lp_round_bf16.restype = None
     lib.lp_stats.argtypes = [ptr, ptr, ptr, i64, f32, i32, f32, i32, i32, f32, ptr]
     lib.lp_stats.restype = None
     u32 = ctypes.c_uint32
@@ -116,6 +118,9 @@ def absmax(x: torch.Tensor) -> float | None:
     lib = _lib()
     assert lib is not None
     n, p = x.numel(), x.data_ptr()
+    if n < 2 * _parallel.PASS_MIN_PER_THREAD:  # one call, without the split's few microseconds
+        o = ctypes.c_float()
+        return float(o.value) if lib.lp_absmax(p, n, ctypes.byref(o)) else None
     spans = _parallel.ranges(n, _parallel.parts(n, _parallel.PASS_MIN_PER_THREAD), _ALIGN)
     outs = [ctypes.c_float() for _ in spans]
     finite = _parallel.run(lib.lp_absmax, [(p + 4 * a, b - a, ctypes.byref(o))
@@ -137,8 +142,29 @@ def round_nearest(x: torch.Tensor, *, k: float, cmin: float, mul: float | None =
     n, px, py = x.numel(), x.data_ptr(), y.data_ptr()
     consts = (1.0 if mul is None else mul, mul is not None, 1.0 if post is None else post, post is not None, k, cmin,
               clamp is not None, 0.0 if clamp is None else clamp, signed_zero)
+    if n < 2 * _parallel.PASS_MIN_PER_THREAD:
+        lib.lp_round_nearest(px, py, n, *consts)
+        return y
     spans = _parallel.ranges(n, _parallel.parts(n, _parallel.PASS_MIN_PER_THREAD), _ALIGN)
     _parallel.run(lib.lp_round_nearest, [(px + 4 * a, py + 4 * a, b - a, *consts) for a, b in spans])
+    return y
+
+
+def round_bf16(x: torch.Tensor, *, saturate: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``quantize_f32(x, bfloat16, rounding="nearest", saturate=saturate)`` of a ``usable`` tensor in one pass
+    (``lp_round_bf16``): any values, NaN and inf included, so no amax pass first.  ``out``: a contiguous float32
+    tensor of ``x``'s shape (may be ``x`` itself: in place), else a new one.  Large tensors: split across threads
+    (``_parallel``); below that, one foreign call and nothing else (the training GEMMs' operands and outputs are
+    10^4 to 10^5 elements, where the wrapper is a large part of the time)."""
+    lib = _lib()
+    assert lib is not None
+    y = torch.empty_like(x) if out is None else out
+    n, px, py = x.numel(), x.data_ptr(), y.data_ptr()
+    if n < 2 * _parallel.PASS_MIN_PER_THREAD:
+        lib.lp_round_bf16(px, py, n, saturate)
+        return y
+    spans = _parallel.ranges(n, _parallel.parts(n, _parallel.PASS_MIN_PER_THREAD), _ALIGN)
+    _parallel.run(lib.lp_round_bf16, [(px + 4 * a, py + 4 * a, b - a, saturate) for a, b in spans])
     return y
 
 
