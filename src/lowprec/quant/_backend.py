@@ -101,9 +101,24 @@ def runs_native(numel: int) -> bool:
     return _fast["on"] and not torch.compiler.is_compiling() and (mode == "auto" or not _use_compiled(numel))
 
 
+def traces_lazily(x: torch.Tensor) -> bool:
+    """True for a tensor on torch_xla's lazy "xla" device, where each operation is recorded into a graph that XLA
+    compiles and runs later, as inside a compiled region: the quantizers then take their traced kernels (none of the
+    eager fast paths, which read values back to the host, no native CPU kernel, no inductor).  The first such tensor
+    registers ``_xla``'s lowerings (torch_xla's own give other bits for some integer operations)."""
+    if x.device.type != "xla":
+        return False
+    from . import _xla
+
+    _xla.register()
+    return True
+
+
 def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
-    """Call ``kernel`` eagerly or compiled according to the backend setting."""
-    if not _use_compiled(numel) or torch.compiler.is_compiling():
+    """Call ``kernel`` eagerly or compiled according to the backend setting (traced into the graph, for a first
+    argument on a lazy device: ``traces_lazily``)."""
+    if (not _use_compiled(numel) or torch.compiler.is_compiling()
+            or (args and isinstance(args[0], torch.Tensor) and traces_lazily(args[0]))):
         return kernel(*args, **kwargs)
     fn = _compiled.get(kernel)
     if fn is None:

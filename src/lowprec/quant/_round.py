@@ -90,7 +90,22 @@ def round_magnitude(
     if up is not None:
         n = n + up.to(torch.int32)
     big_e = torch.clamp(eff_e - 127, min=emin)
+    if a.device.type == "xla":  # XLA flushes float32 subnormals: build n' * 2^k from bits (``_make_float``)
+        return _make_float(n, big_e - mbits)
     return n.to(torch.float32) * _pow2(big_e - mbits)
+
+
+def _make_float(n: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``n * 2^k`` as float32 for int32 ``0 <= n <= 2^24`` and ``k >= -149`` (the value on float32's grid; +inf above
+    its range), by integer operations only: what ``n.to(float32) * _pow2(k)`` gives on the CPU.  XLA (on the CPU as on
+    TPUs) reads float32 subnormal operands as zero and writes zero for subnormal results, so the product would lose
+    every subnormal; here no subnormal reaches float arithmetic (the int-to-float conversion is exact and normal)."""
+    fb = n.to(torch.float32).view(torch.int32)
+    ef = (fb >> 23) + k  # the result's exponent field where it is normal
+    sub = n << torch.clamp(k + 149, 0, 31)  # a subnormal's bits are its multiple of 2^-149
+    out = torch.where(ef >= 1, fb + (k << 23), sub)
+    out = torch.where(ef >= 255, _EXP_INF, out)
+    return torch.where(n == 0, 0, out).view(torch.float32)
 
 
 def _bf16_nearest_bits(x: torch.Tensor, fmt: FormatSpec, saturate: bool) -> torch.Tensor:
@@ -139,6 +154,18 @@ def _float_route_ok(fmt: FormatSpec) -> bool:
             and 2.0 * fmt.max < 2.0 ** (126 - (24 - fmt.mbits)))
 
 
+def _bits_of(v: float) -> int:
+    """The float32 bit pattern of ``v`` (exactly a float32) as a Python int (non-negative ``v``)."""
+    return int(torch.tensor(v, dtype=torch.float32).view(torch.int32))
+
+
+def _no_negative_zero(v: torch.Tensor) -> torch.Tensor:
+    """``v`` with -0 turned into +0 (``v + 0.0``; on XLA, whose simplifier drops an added zero, by bits)."""
+    if v.device.type == "xla":
+        return torch.where((v.view(torch.int32) & _ABS) == 0, 0.0, v)
+    return v + 0.0
+
+
 def quantize_f32(
     x: torch.Tensor,
     fmt: FormatSpec,
@@ -178,10 +205,16 @@ def quantize_f32(
     nan = float("nan")
     if fmt.kind == "int":
         signed = torch.where(bits < 0, -mag, mag)
-        out = torch.clamp(signed, fmt.min, fmax) + 0.0  # + 0.0 turns -0 into +0: integers have one zero
-        return torch.where(finite, out, torch.clamp(x, fmt.min, fmax))  # inf saturates, NaN stays NaN
+        out = _no_negative_zero(torch.clamp(signed, fmt.min, fmax))  # integers have one zero
+        inf_out = torch.clamp(x, fmt.min, fmax)
+        if x.device.type == "xla":  # XLA's clamp of NaN gives the lower bound, torch's NaN
+            inf_out = torch.where(torch.isnan(x), x, inf_out)
+        return torch.where(finite, out, inf_out)  # inf saturates, NaN stays NaN
     if not fmt.signed:  # exponent-only scale format (E8M0): no zero, no sign
-        mag = torch.clamp(mag, min=fmt.min_normal)
+        if mag.device.type == "xla":  # min_normal (2^-127) is a float32 subnormal, which XLA compares as zero
+            mag = torch.clamp(mag.view(torch.int32), min=_bits_of(fmt.min_normal)).view(torch.float32)
+        else:
+            mag = torch.clamp(mag, min=fmt.min_normal)
         over = mag > fmax
         mag = torch.where(over, fmax if saturate else nan, mag)
         return torch.where((bits > 0) & finite, mag, nan)
@@ -194,7 +227,7 @@ def quantize_f32(
     if fmt.has_negative_zero:
         out = (mag.view(torch.int32) | (bits & _SIGN)).view(torch.float32)
     else:
-        out = torch.where(bits < 0, -mag, mag) + 0.0  # fnuz: no -0
+        out = _no_negative_zero(torch.where(bits < 0, -mag, mag))  # fnuz: no -0
     # Non-finite input.
     if fmt.has_inf:
         special = x

@@ -262,7 +262,7 @@ def _eager_fast(x: torch.Tensor, spec: QuantSpec, keys: torch.Tensor | None, off
     (``_native_group``); None where neither applies.  Where the backend would compile (large tensors under
     "auto"), only the native kernels (``_backend.runs_native``)."""
     n = x.numel()
-    if n == 0 or not _backend.runs_native(n):
+    if n == 0 or not _backend.runs_native(n) or _backend.traces_lazily(x):
         return None
     if _tensorwise_plan(spec) is not None:
         y = _tensorwise_fast(x, spec, amax, native_only=not _backend.runs_eager(n))
@@ -294,7 +294,8 @@ def _fake(
     output has whole blocks only.
     """
     y = None
-    if keys is None and _backend.runs_eager(x.numel()) and fast_round_ok(spec.format, spec.rounding):
+    if (keys is None and _backend.runs_eager(x.numel()) and fast_round_ok(spec.format, spec.rounding)
+            and not _backend.traces_lazily(x)):
         y = _fake_fast(x, s, s_t, spec)
     if y is None:
         y = _backend.run(_fake_kernel, x.numel(), x, s, s_t, keys, off, spec=spec)
