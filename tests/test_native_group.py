@@ -135,6 +135,27 @@ def test_scaled_specs_match_the_kernel(spec: QuantSpec) -> None:
             assert_bitwise_equal(fast, ref, context=f"{spec} {tuple(t.shape)} stride {t.stride()} {t.dtype}")
 
 
+def test_cached_single_calls_follow_spec_identity_and_layout() -> None:
+    """The single-call path caches each (spec, shape, strides)'s kernel arguments (``_native_group._one_call``):
+    alternating specs, shapes and a transposed view keep the tensor route's bits, and a cache entry found under a
+    spec's id but made for another spec object (an id reused after garbage collection) is not used."""
+    mx, nv = QuantSpec.named("mxfp8_e4m3"), QuantSpec.named("nvfp4")
+    xs = [_varied((64, 96), 1), _varied((32, 64), 2), _varied((96, 64), 3).t()]
+    for _ in range(2):
+        for spec in (mx, nv, mx):
+            for x in xs:
+                fast, ref = _both(x, spec, offset=11)
+                assert fast is not None
+                assert fast.stride() == ref.stride()
+                assert_bitwise_equal(fast, ref, context=f"{spec} {tuple(x.shape)} {x.stride()}")
+    x = xs[0]
+    stale = _native_group._one_calls.calls[(id(mx), x.shape, x.stride())]
+    _native_group._one_calls.calls[(id(nv), x.shape, x.stride())] = stale  # as if nv had mx's old id
+    fast, ref = _both(x, nv)
+    assert_bitwise_equal(fast, ref, context="entry of another spec object under this id")
+    assert _native_group._one_calls.calls[(id(nv), x.shape, x.stride())].spec is nv
+
+
 def test_every_named_spec_takes_the_kernel() -> None:
     assert all(_native_group.plan(QuantSpec.named(n)) is not None for n in QuantSpec.names())
 

@@ -16,10 +16,13 @@ values, every named spec, and transposed and odd-shaped tensors).
 
 Layout: a contiguous tensor, or a 2-D transposed view of one (the GEMM operands ``w.t()``, ``x.t()``), is read in
 place as ``[B, R, C]`` with groups of ``gr x gc`` elements (``_view``); the result has the input's layout.  Other
-strides are copied to contiguous first.  Large tensors are split into ranges of whole groups (batches, row blocks
-or column blocks) that run on several threads at once (``_parallel``), each range with its own first random
-counter; where one group spans the tensor (tensor scaling) or a two-level spec's tensor scale needs all of it, the
-tensor's amax is read first and given to every range, so the bits do not depend on the split.  Where the kernel
+strides are copied to contiguous first.  Blocks of 16 or 32 that tile contiguous rows exactly are the same blocks
+as those of one row of all the elements, and run as one (``_contiguous_view``).  A call that is not split keeps its
+arguments per (spec, shape, strides) (``_one_call``: operands come back every step).  Large tensors are split
+into ranges of whole groups (batches, row blocks or column blocks) that run on several threads at once
+(``_parallel``), each range with its own first random counter; where one group spans the tensor (tensor scaling)
+or a two-level spec's tensor scale needs all of it, the tensor's amax is read first and given to every range, so
+the bits do not depend on the split.  Where the kernel
 does not apply (``plan`` is None: unsigned element formats, a two-level spec with power-of-two scales; or ``fake``
 returns None: a group holds NaN or inf, whose NaN payloads the tensor route decides), the caller runs the tensor
 route.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+import threading
 from typing import NamedTuple
 
 import torch
@@ -174,6 +178,11 @@ def _contiguous_view(shape: tuple[int, ...], spec: QuantSpec) -> tuple[tuple[int
     a = spec.axis % len(shape)
     outer, k, inner = _prod(shape[:a]), shape[a], _prod(shape[a + 1:])
     size = k if spec.scaling == "axis" else int(spec.block_size or k)
+    if inner == 1 and size in (16, 32) and k % size == 0 and k < n:
+        # blocks of 16 or 32 along contiguous rows that they tile exactly: the same blocks, in the same order and
+        # with the same counters, as blocks along one row of n elements, which the kernel runs as one block loop
+        # (per row of K = 128 its per-row set-up cost as much as the row's elements: MX operands 64K: ~2x)
+        return (1, 1, n), (1, size), (0, 0, 1)
     if inner == 1:
         return (1, outer, k), (1, size), (0, k, 1)
     return (outer, k, inner), (size, 1), (k * inner, inner, 1)
@@ -219,11 +228,59 @@ def fake(x: torch.Tensor, spec: QuantSpec, keys: torch.Tensor | None, offset: to
     return _fake(x, spec, k1, k2, off, in_place=False)
 
 
+class _OneCall(NamedTuple):
+    """What ``_view`` and ``_split`` work out for one spec and one input layout whose call is not split: the
+    arguments of ``lp_group_fake`` but the pointers and the first counter, and the call's scratch memory."""
+
+    spec: QuantSpec  # held, so that its id (the cache key) is not reused
+    transposed: bool
+    mid: tuple[object, ...]  # B, R, C, ld, gr, gc, elem, scale
+    tail: tuple[object, ...]  # sb, sr, sc, amax_mode, amax, work
+    work: torch.Tensor
+
+
+class _OneCalls(threading.local):
+    """Per thread (the scratch memory is written by each call): (id(spec), shape, strides) -> ``_OneCall``."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[object, ...], _OneCall] = {}
+
+
+_one_calls = _OneCalls()
+
+
+def _one_call(x: torch.Tensor, spec: QuantSpec, p: _Plan, k1: int, k2: int, off: int) -> torch.Tensor | None:
+    """``_fake`` of a float32 input whose call is not split, with its layout's arguments cached: the training
+    GEMMs' operands are 10^4 to 10^5 elements and come back with the same spec and shape every step, where working
+    out the view and the call (and allocating the scratch memory) each time cost as much as the kernel."""
+    key = (id(spec), x.shape, x.stride())
+    c = _one_calls.calls.get(key)
+    if c is None or c.spec is not spec:
+        v = _view(x, spec)  # x itself, or a transposed view of a contiguous tensor (the caller checks)
+        calls = _split(v, x, p, 0, 0, 0)
+        assert calls is not None and len(calls) == 1 and (v.base is x or v.transposed)  # not split: no amax first
+        a = calls[0].args
+        if len(_one_calls.calls) > 256:
+            _one_calls.calls.clear()
+        c = _OneCall(spec, v.transposed, a[2:10], a[13:], calls[0].work)
+        _one_calls.calls[key] = c
+    base = x.t() if c.transposed else x
+    y = torch.empty_like(base)
+    lib = _native.lib()
+    assert lib is not None
+    if not lib.lp_group_fake(base.data_ptr(), y.data_ptr(), *c.mid, k1, k2, off, *c.tail):
+        return None
+    return y.t() if c.transposed else y
+
+
 def _fake(x: torch.Tensor, spec: QuantSpec, k1: int, k2: int, off: int, *, in_place: bool) -> torch.Tensor | None:
     p = plan(spec)
     lib = _native.lib()
     if p is None or lib is None or not usable(x):
         return None
+    if (not in_place and x.dtype == torch.float32 and _parallel.parts(x.numel()) == 1
+            and (x.is_contiguous() or (x.dim() == 2 and x.t().is_contiguous()))):
+        return _one_call(x, spec, p, k1, k2, off)
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
     v = _view(xf, spec)
     if in_place and (v.base is not x or p.scale.rule != 0):
