@@ -101,6 +101,37 @@ def runs_native(numel: int) -> bool:
     return _fast["on"] and not torch.compiler.is_compiling() and (mode == "auto" or not _use_compiled(numel))
 
 
+_portable: dict[str, bool] = {"on": False}
+
+
+@contextlib.contextmanager
+def portable() -> Iterator[None]:
+    """Within the block the quantizers trace only operations that give the CPU's bits on any XLA backend: no custom
+    operator (the native CPU kernels inside traced graphs), no eager fast path, none of the forms compiled graphs use
+    for inductor's sake (float32 arithmetic on values that may be subnormal), and the kernels' XLA forms
+    (``xla_forms``) whatever the device.  What ``torch.export`` of a program meant for XLA needs around it."""
+    from . import _native
+
+    old = _portable["on"]
+    _portable["on"] = True
+    try:
+        with fast_paths(False), _native.enabled(False):
+            yield
+    finally:
+        _portable["on"] = old
+
+
+def is_portable() -> bool:
+    return _portable["on"]
+
+
+def xla_forms(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t`` take their XLA forms: ``t`` is an XLA tensor, or a ``portable`` trace is running.
+    XLA (on the CPU as on TPUs) reads float32 subnormal operands as zero and writes zero for subnormal results, its
+    simplifier drops ``v + 0.0``, and its clamp of NaN gives the lower bound; the XLA forms avoid all three."""
+    return _portable["on"] or t.device.type == "xla"
+
+
 def traces_lazily(x: torch.Tensor) -> bool:
     """True for a tensor on torch_xla's lazy "xla" device, where each operation is recorded into a graph that XLA
     compiles and runs later, as inside a compiled region: the quantizers then take their traced kernels (none of the

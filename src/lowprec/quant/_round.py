@@ -34,6 +34,7 @@ import torch
 
 from .._errors import UsageError
 from ..formats import FormatSpec
+from . import _backend
 
 _SIGN = -(1 << 31)  # 0x80000000 as int32
 _ABS = 0x7FFFFFFF
@@ -90,7 +91,7 @@ def round_magnitude(
     if up is not None:
         n = n + up.to(torch.int32)
     big_e = torch.clamp(eff_e - 127, min=emin)
-    if a.device.type == "xla":  # XLA flushes float32 subnormals: build n' * 2^k from bits (``_make_float``)
+    if _backend.xla_forms(a):  # XLA flushes float32 subnormals: build n' * 2^k from bits (``_make_float``)
         return _make_float(n, big_e - mbits)
     return n.to(torch.float32) * _pow2(big_e - mbits)
 
@@ -161,7 +162,7 @@ def _bits_of(v: float) -> int:
 
 def _no_negative_zero(v: torch.Tensor) -> torch.Tensor:
     """``v`` with -0 turned into +0 (``v + 0.0``; on XLA, whose simplifier drops an added zero, by bits)."""
-    if v.device.type == "xla":
+    if _backend.xla_forms(v):
         return torch.where((v.view(torch.int32) & _ABS) == 0, 0.0, v)
     return v + 0.0
 
@@ -185,12 +186,13 @@ def quantize_f32(
     """
     if fmt.kind == "float" and fmt.mbits == 23 and fmt.emin <= -126:
         return x.clone()  # float32 itself
-    if fmt.name == "bfloat16" and rounding == "nearest" and torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling() and not _backend.is_portable()  # inductor's forms (float arithmetic)
+    if fmt.name == "bfloat16" and rounding == "nearest" and compiling:
         return _bf16_nearest_bits(x, fmt, saturate)
     bits = x.view(torch.int32)
     a = bits & _ABS
     finite = a < _EXP_INF
-    if rounding == "nearest" and _float_route_ok(fmt) and torch.compiler.is_compiling():
+    if rounding == "nearest" and _float_route_ok(fmt) and compiling:
         mag = _nearest_magnitude_float_route(torch.where(finite, a, 0), fmt)
     else:
         mag = round_magnitude(
@@ -207,11 +209,11 @@ def quantize_f32(
         signed = torch.where(bits < 0, -mag, mag)
         out = _no_negative_zero(torch.clamp(signed, fmt.min, fmax))  # integers have one zero
         inf_out = torch.clamp(x, fmt.min, fmax)
-        if x.device.type == "xla":  # XLA's clamp of NaN gives the lower bound, torch's NaN
+        if _backend.xla_forms(x):  # XLA's clamp of NaN gives the lower bound, torch's NaN
             inf_out = torch.where(torch.isnan(x), x, inf_out)
         return torch.where(finite, out, inf_out)  # inf saturates, NaN stays NaN
     if not fmt.signed:  # exponent-only scale format (E8M0): no zero, no sign
-        if mag.device.type == "xla":  # min_normal (2^-127) is a float32 subnormal, which XLA compares as zero
+        if _backend.xla_forms(mag):  # min_normal (2^-127) is a float32 subnormal, which XLA compares as zero
             mag = torch.clamp(mag.view(torch.int32), min=_bits_of(fmt.min_normal)).view(torch.float32)
         else:
             mag = torch.clamp(mag, min=fmt.min_normal)

@@ -7,8 +7,9 @@ operations on float32 bit patterns, and torch_xla 2.9 gets some of the integer o
 
 * ``x >> n`` (``aten::__rshift__``) is lowered as a division by ``2^n``, which truncates toward zero: ``-1 >> 3``
   gives 0 where torch gives -1 (an arithmetic shift), and ``(2^31 - 1) >> t`` for a tensor ``t`` gives 0;
-* ``1 << t`` and ``torch.bitwise_right_shift(x, 3)`` (a Python int with an int32 tensor) come out int64 where
-  torch's promotion rules give int32, so ``1 << 31`` is 2^31 instead of -2^31;
+* ``1 << t`` and ``torch.bitwise_right_shift(x, 3)`` (a Python int with an int32 tensor), and shifts of an int32
+  tensor by a 0-d int64 one (what ``torch.export`` graphs hold), come out int64 where torch's promotion rules give
+  int32, so ``1 << 31`` is 2^31 instead of -2^31;
 * ``x.view(torch.int32)`` (its functional form ``aten::view_copy.dtype``: the bit reinterpretation every kernel
   starts and ends with) has no lowering and takes the CPU fallback.
 
@@ -73,7 +74,8 @@ def _full(scalar: Any, like: torch.Tensor) -> torch.Tensor:
 
 
 def _rshift_tensor(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    return torch.bitwise_right_shift(x, n)
+    dtype = torch.result_type(x, n)  # torch_xla's own promotes an int32 tensor and a 0-d int64 one to int64
+    return torch.bitwise_right_shift(x.to(dtype), n.to(dtype))
 
 
 def _rshift_scalar(x: torch.Tensor, n: Any) -> torch.Tensor:
