@@ -138,12 +138,14 @@ def _gpt_config(recipe: str = "fp8-tensorwise", **par: object) -> tuple[RunConfi
     ("fp32", {"world_size": 2, "pp": 2, "model_options": {"tie_head": True}}, 8, r"parallel.pp = 2: .*tied weight"),
     ("fp32", {"world_size": 2, "pp": 2, "microbatches": 3}, 8, r"batch_size 8 is not divisible by dp 1 x "
                                                                r"microbatches 3 = 3"),
-    ("fp32", {"world_size": 4, "tp": 2}, 8, r"parallel.tp = 2 with a data-parallel degree of 2 .*under "
-                                            r"parallel.strategy 'ddp'.*set parallel.strategy = \"fsdp2\""),
-    ("fp32", {"world_size": 4, "pp": 2, "strategy": "fsdp2"}, 8, r"parallel.pp = 2 with a data-parallel degree of "
-                                                                 r"2 .*PP not yet"),
-    ("fp32", {"world_size": 8, "tp": 2, "strategy": "hsdp", "mesh_shape": (2, 2)}, 8, r"under parallel.strategy "
-                                                                                       r"'hsdp'.*FSDP2 shards only"),
+    # FSDP2 shards inside pipeline stages: the runner replicates pipelines only
+    ("fp32", {"world_size": 4, "pp": 2, "strategy": "fsdp2"}, 8, r"parallel.pp = 2 with parallel.strategy 'fsdp2' "
+                                                                 r"\(dp_shard = 2\).*set parallel.strategy = \"ddp\""),
+    ("fp32", {"world_size": 8, "pp": 2, "strategy": "hsdp", "mesh_shape": (2, 2)}, 8, r"parallel.pp = 2 with "
+                                                                                       r"parallel.strategy 'hsdp'"),
+    # DP x PP: 2 replicas x 4 microbatches are 8 pieces, which a batch of 12 rows does not split into
+    ("fp32", {"world_size": 4, "pp": 2, "microbatches": 4}, 12, r"batch_size 12 is not divisible by dp 2 x "
+                                                                r"microbatches 4 = 8"),
     ("fp32", {"world_size": 4, "tp": 2, "pp": 2}, 8, r"tensor parallelism inside pipeline stages is not supported"),
     ("bf16-sr", {"world_size": 2, "tp": 2}, 8, r"recipe.weights.update = 'stochastic'"),
 ])
@@ -157,16 +159,19 @@ def test_model_checks_accept_what_the_runner_trains() -> None:
     for recipe, par in [("mxfp8", {"world_size": 2, "tp": 2}), ("fp8-tensorwise", {"world_size": 2, "tp": 2,
                                                                                     "sequence_parallel": True}),
                         ("mxfp8", {"world_size": 2, "pp": 2, "microbatches": 4, "pp_schedule": "gpipe"}),
-                        ("fp8-tensorwise", {"world_size": 4, "tp": 2, "strategy": "fsdp2"})]:
+                        ("fp8-tensorwise", {"world_size": 4, "tp": 2, "strategy": "fsdp2"}),
+                        ("mxfp8", {"world_size": 4, "tp": 2}),  # DDP x TP: dp_replicate 2 x tp 2
+                        ("fp8-tensorwise", {"world_size": 8, "tp": 2, "strategy": "hsdp", "mesh_shape": (2, 2)}),
+                        ("mxfp8", {"world_size": 4, "pp": 2, "microbatches": 2})]:  # DP x PP
         cfg, task = _gpt_config(recipe, **par)
         check_model_layout(cfg, task, 8)  # type: ignore[arg-type]
 
 
-def test_fsdp2_x_tp_refuses_checkpoints() -> None:
+def test_fsdp2_x_tp_takes_checkpoints() -> None:
+    """FSDP2 x TP writes full-state checkpoints (``lowprec.distributed.full_model_state``): no longer refused."""
     cfg, task = _gpt_config("fp32", world_size=4, tp=2, strategy="fsdp2")
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, interval=10))
-    with pytest.raises(ValueError, match=r"checkpoint.interval = 10 with FSDP2 x TP .*set checkpoint.interval = 0"):
-        check_model_layout(cfg, task, 8)  # type: ignore[arg-type]
+    check_model_layout(cfg, task, 8)  # type: ignore[arg-type]
 
 
 def test_pp_needs_a_model_with_pieces() -> None:

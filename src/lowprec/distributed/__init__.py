@@ -15,7 +15,10 @@
 * ``tensor_parallel(model, mesh, sequence_parallel=...)``: Megatron tensor (and sequence) parallelism with
   ``parallelize_module`` styles for ``EmulatedLinear`` (``EmulatedColwiseParallel``, ``EmulatedRowwiseParallel``;
   plans ``gpt_plan``, ``llama_plan``, ``gpt2_plan``): DTensor parameters, local emulated GEMMs, scales and
-  stochastic-rounding draws as one process computes them.
+  stochastic-rounding draws as one process computes them.  ``full_model_state`` / ``full_optimizer_state`` (and
+  their ``load_*``): one process's state dicts of a TP model, exact also when FSDP2 shards it further.
+* ``GradReducer(params, group, grad_comm=...)``: data-parallel gradient averaging over a sub-group (the replicas of
+  a TP group or of a pipeline stage), in the recipe's communication format.
 
 Runs launched with ``lowprec run`` (``parallel.strategy = "ddp" | "fsdp2"``) use these for you.
 """
@@ -24,6 +27,7 @@ from ._compress import CompressState as CompressState
 from ._compress import compress_allreduce_hook as compress_allreduce_hook
 from ._compress import compress_hook as compress_hook
 from ._compress import rounding_seed as rounding_seed
+from ._dp_reduce import GradReducer as GradReducer
 from ._fsdp import allgather_bytes as allgather_bytes
 from ._fsdp import allgather_stats as allgather_stats
 from ._fsdp import amax_histories as amax_histories
@@ -50,11 +54,18 @@ from ._tensor_parallel import gpt_plan as gpt_plan
 from ._tensor_parallel import llama_plan as llama_plan
 from ._tensor_parallel import tensor_parallel as tensor_parallel
 from ._tensor_parallel import tp_stats as tp_stats
+from ._tp_state import distribute_full as distribute_full
+from ._tp_state import full_model_state as full_model_state
+from ._tp_state import full_optimizer_state as full_optimizer_state
+from ._tp_state import full_tensor as full_tensor
+from ._tp_state import load_full_model_state as load_full_model_state
+from ._tp_state import load_full_optimizer_state as load_full_optimizer_state
 
 __all__ = [
     "CompressState",
     "EmulatedColwiseParallel",
     "EmulatedRowwiseParallel",
+    "GradReducer",
     "Pipeline",
     "ReductionResult",
     "SequenceBoundary",
@@ -67,10 +78,16 @@ __all__ = [
     "amax_histories",
     "compress_allreduce_hook",
     "compress_hook",
+    "distribute_full",
+    "full_model_state",
+    "full_optimizer_state",
+    "full_tensor",
     "gaussian_gradients",
     "gpt2_plan",
     "gpt_plan",
     "llama_plan",
+    "load_full_model_state",
+    "load_full_optimizer_state",
     "mixed_precision_policy",
     "pipeline_pieces",
     "predicted_rel_l2",

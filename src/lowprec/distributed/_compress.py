@@ -154,14 +154,16 @@ class CompressState:
             self.residuals[id(p)] = piece
 
 
-def compress_allreduce_hook(state: CompressState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: average ``bucket``'s gradient over ranks through ``state.spec`` (module docstring)."""
+def start_compressed_mean(state: CompressState, g: torch.Tensor, index: int, params: list[torch.Tensor],
+                          last: bool, out_dtype: torch.dtype) -> tuple[Any, Callable[[], torch.Tensor]]:
+    """Start averaging one flat float32 gradient bucket ``g`` (bucket ``index`` of the step; ``params``: the
+    parameters it holds, for error feedback; ``last``: it ends the step) over ``state.process_group`` in
+    ``state.spec`` (module docstring): (the all-gather's Work, a function that waits for it and returns the mean in
+    ``out_dtype``).  The DDP hook and ``GradReducer`` (data parallelism next to tensor or pipeline parallelism) both
+    run it."""
     pg = state.process_group
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    buf = bucket.buffer()
-    n, index = buf.numel(), bucket.index()
-    params = bucket.parameters()
-    g = buf.detach().to(torch.float32, copy=True)
+    n = g.numel()
     prev = state._residual(params, g)
     if prev is not None:
         g.add_(prev)
@@ -174,13 +176,12 @@ def compress_allreduce_hook(state: CompressState, bucket: dist.GradBucket) -> to
     seed = rounding_seed(state.seed, state.step, index, rank) if state.spec.rounding == "stochastic" else None
     msg = state.codec.encode(g, seed=seed, amax=amax)
     sent += ring_allgather_bytes(msg.numel(), world)
-    state._count(sent, ring_allreduce_bytes(n * buf.element_size(), world), bucket.is_last())
+    state._count(sent, ring_allreduce_bytes(n * out_dtype.itemsize, world), last)
     gathered = [torch.empty_like(msg) for _ in range(world)]
     work = dist.all_gather(gathered, msg, group=pg, async_op=True)
     assert work is not None  # async_op=True returns a Work handle
 
-    def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-        fut.wait()  # re-raises a failed collective
+    def finish() -> torch.Tensor:
         total = None
         for r, m in enumerate(gathered):  # rank order: the same sum on every rank
             d = state.codec.decode(m, n, amax=amax)
@@ -188,9 +189,22 @@ def compress_allreduce_hook(state: CompressState, bucket: dist.GradBucket) -> to
                 state._keep_residual(params, g - d)
             total = d if total is None else total.add_(d)
         assert total is not None
-        return total.div_(world).to(buf.dtype)
+        return total.div_(world).to(out_dtype)
 
-    return work.get_future().then(finish)
+    return work, finish
+
+
+def compress_allreduce_hook(state: CompressState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average ``bucket``'s gradient over ranks through ``state.spec`` (module docstring)."""
+    buf = bucket.buffer()
+    g = buf.detach().to(torch.float32, copy=True)
+    work, finish = start_compressed_mean(state, g, bucket.index(), bucket.parameters(), bucket.is_last(), buf.dtype)
+
+    def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        fut.wait()  # re-raises a failed collective
+        return finish()
+
+    return work.get_future().then(done)
 
 
 def compress_hook(

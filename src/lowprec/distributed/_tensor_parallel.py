@@ -44,6 +44,7 @@ from . import _tp_comm as comm
 from ._fsdp_gather import check_gather_spec
 from ._tp_linear import _SHARDED, ColwiseFn, RowwiseFn, TPInfo
 from ._tp_shard import ShardLayout, check_operand, split_pieces
+from ._tp_state import distribute_full, full_tensor
 
 
 class TensorParallelLinear(EmulatedLinear):
@@ -108,24 +109,25 @@ def _mesh_size(mesh: Any, tp: int | None, what: str) -> int:
     return n
 
 
-def _strided_checkpoint_hooks(module: nn.Module, mesh: DeviceMesh) -> None:
+def _strided_checkpoint_hooks(module: nn.Module) -> None:
     """Make a fused projection's ``_StridedShard`` parameters checkpointable: torch's distributed checkpoint
     describes a DTensor shard as one contiguous chunk at the shard's offset, which strided q/k/v rows are not (it
     rejects them as overlapping chunks).  ``state_dict`` therefore holds their full tensors (an all-gather; a plain
-    replicated tensor, which DCP saves once and reshards freely), and ``load_state_dict`` of a full tensor keeps
-    this rank's strided rows (no communication)."""
-    places = {n: p.placements for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    replicated tensor, which DCP saves once and reshards freely; ``_tp_state.full_tensor``, also exact when FSDP2
+    shards the parameter further), and ``load_state_dict`` of a full tensor keeps this rank's strided rows (no
+    communication)."""
+    names = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
 
     def save(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
-        for n in places:
+        for n in names:
             if isinstance(state.get(prefix + n), DTensor):
-                state[prefix + n] = state[prefix + n].full_tensor()
+                state[prefix + n] = full_tensor(state[prefix + n])
 
     def load(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
-        for n, placements in places.items():
-            t = state.get(prefix + n)
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-                state[prefix + n] = distribute_tensor(t, mesh, placements, src_data_rank=None)
+        for n in names:
+            t, own = state.get(prefix + n), getattr(mod, n)
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and isinstance(own, DTensor):
+                state[prefix + n] = distribute_full(t, own)
 
     module.register_state_dict_post_hook(save)
     module.register_load_state_dict_pre_hook(load)
@@ -204,7 +206,7 @@ class _EmulatedParallel(ParallelStyle):
             module.register_parameter(pname, nn.Parameter(distribute_tensor(p.detach(), device_mesh, target),
                                                           requires_grad=p.requires_grad))
         if self.chunks > 1:
-            _strided_checkpoint_hooks(module, device_mesh)
+            _strided_checkpoint_hooks(module)
         module.lowprec_tp = info  # type: ignore[assignment]
         # every layer, as the data-parallel wrapper does: a fallback can move one to delayed scaling later
         module.amax_reduce = _max_reduce(group, module.amax_reduce)

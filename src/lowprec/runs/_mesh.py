@@ -162,7 +162,11 @@ def _check_dp(p: ParallelConfig, dp: int) -> None:
 
 
 def check_supported(config: RunConfig) -> None:
-    """``UsageError`` for layouts the runner does not train (yet): each names the field and what to change."""
+    """``UsageError`` for layouts the runner does not train (yet): each names the field and what to change.
+
+    Trained: TP alone, or with data-parallel replicas ("ddp": gradients averaged over ``dp_replicate``), shards
+    ("fsdp2") or both ("hsdp"); PP alone or with replicas ("ddp").  Refused: TP inside pipeline stages, FSDP2
+    shards inside pipeline stages, and what a split model cannot do (below)."""
     p, layout = config.parallel, layout_of(config.parallel)
     if not layout.model_parallel:
         return
@@ -170,17 +174,10 @@ def check_supported(config: RunConfig) -> None:
     if p.tp > 1 and p.pp > 1:
         raise UsageError(f"parallel.tp = {p.tp} with parallel.pp = {p.pp}: tensor parallelism inside pipeline "
                          "stages is not supported by the runner; use one of them")
-    if layout.dp > 1 and (p.pp > 1 or p.strategy != "fsdp2"):
-        fix = ("set parallel.strategy = \"fsdp2\" (FSDP2 x TP is what the runner composes)" if p.tp > 1 and
-               p.strategy == "ddp" else f"set world_size = {p.tp * p.pp}, or use data parallelism alone")
-        raise UsageError(f"{what} with a data-parallel degree of {layout.dp} (world_size {p.world_size}) under "
-                         f"parallel.strategy {p.strategy!r}: the runner composes data parallelism with "
-                         f"{'TP as FSDP2 shards only' if p.tp > 1 else 'PP not yet'}; {fix}")
-    if p.tp > 1 and layout.dp > 1 and config.checkpoint.interval:
-        raise UsageError(f"checkpoint.interval = {config.checkpoint.interval} with FSDP2 x TP (parallel.tp = {p.tp}, "
-                         f"dp_shard = {layout.dp}): the fused qkv's 2-D (FSDP shard over TP strided shard) full "
-                         "state does not load back exactly in torch 2.13, so these runs write no checkpoints; set "
-                         "checkpoint.interval = 0, or use TP alone (world_size = tp), whose checkpoints resume")
+    if p.pp > 1 and layout.dp_shard > 1:
+        raise UsageError(f"{what} with parallel.strategy {p.strategy!r} (dp_shard = {layout.dp_shard}): the runner "
+                         "composes pipelines with replicated data parallelism only (each stage's gradients averaged "
+                         "over its replicas), not FSDP2 shards inside the stages; set parallel.strategy = \"ddp\"")
     r = config.recipe
     if r.fallback is not None:
         raise UsageError(f"{what}: recipe.fallback swaps layers while training, which a split model cannot "

@@ -11,8 +11,9 @@ gradient up to the order of the floating-point additions.
 
 Under a tensor- or pipeline-parallel layout (``World.layout``, ``_mesh``) ``init_world`` also builds the run's
 ``DeviceMesh``; the batch is split over the data-parallel ranks only (``dp_rank`` of ``dp_size``), ``wrap_model``
-applies tensor parallelism over ``mesh["tp"]`` (then FSDP2 over ``mesh["dp_shard"]``), and a pipeline is the
-runner's (``_pp_runner``).
+applies tensor parallelism over ``mesh["tp"]`` (then FSDP2 over ``mesh["dp_shard"]``, HSDP over ``mesh["dp_replicate",
+"dp_shard"]``, or gradient averaging over ``mesh["dp_replicate"]``), and a pipeline is the runner's
+(``_pp_runner``, its replicas' gradients averaged over ``mesh["dp_replicate"]``).
 """
 
 from __future__ import annotations
@@ -199,37 +200,56 @@ def wrap_model(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
 def _tensor_parallel(model: torch.nn.Module, recipe: Recipe, world: World) -> Wrapped:
     """TP over the mesh's "tp" dimension (``lowprec.distributed.tensor_parallel``, the model's plan): DTensor
     weights, tensorwise amaxes MAX-reduced over the TP group, delayed histories synchronised after every backward.
-    With data-parallel shards ("fsdp2"), FSDP2 then shards those DTensors over the "dp_shard" dimension (2-D
-    parameters; float32 all-gathers), and amaxes and histories are MAX-reduced over every rank.  ``comm_bytes``:
-    what the TP collectives sent plus what FSDP2 gathered in the last step."""
-    from ..distributed import allgather_bytes, shard_model, sync_amax_histories, tensor_parallel, tp_stats
+    With data-parallel ranks, the replicas and shards of each TP group:
+
+    * "fsdp2" (dp_shard ranks): FSDP2 shards the TP DTensors over the "dp_shard" dimension (2-D parameters,
+      float32 all-gathers, float32 reduce-scatters);
+    * "hsdp" (dp_replicate x dp_shard): the same over the 2-D ("dp_replicate", "dp_shard") mesh, FSDP2's HSDP;
+    * "ddp" (dp_replicate ranks): every parameter replicated; after each backward ``GradReducer`` averages the
+      local gradients over the "dp_replicate" group, in the recipe's ``grad_comm`` format (float32 without one).
+
+    and amaxes and histories are MAX-reduced over every rank.  ``comm_bytes``: what the TP collectives sent plus
+    what FSDP2 gathered (or the gradient averaging sent) in the last step."""
+    from ..distributed import GradReducer, allgather_bytes, shard_model, sync_amax_histories, tensor_parallel, tp_stats
     from ..nn import EmulatedLinear
 
     assert world.layout is not None and world.mesh is not None
-    sharded = world.layout.dp > 1
+    layout = world.layout
+    data_parallel = layout.dp > 1
+
     def amax_max(t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
 
-    if sharded:
+    if data_parallel:
         for m in model.modules():  # first-step delayed scales from the global batch, as under FSDP2 alone
             if isinstance(m, EmulatedLinear):
                 m.amax_reduce = amax_max
     mesh = world.mesh["tp"]
-    tensor_parallel(model, mesh, sequence_parallel=world.layout.sequence_parallel, recipe=recipe)
-    group = None if sharded else mesh.get_group()
-    if sharded:
-        model = shard_model(model, recipe, mesh=world.mesh["dp_shard"], lowp_all_gather=False)
+    tensor_parallel(model, mesh, sequence_parallel=layout.sequence_parallel, recipe=recipe)
+    group = None if data_parallel else mesh.get_group()
+    reducer = None
+    sharded = world.strategy in ("fsdp2", "hsdp") and data_parallel
+    if sharded:  # "hsdp": FSDP2 on the 2-D mesh whatever its degrees (a degree of 1 included)
+        dp_mesh = world.mesh["dp_replicate", "dp_shard"] if world.strategy == "hsdp" else world.mesh["dp_shard"]
+        model = shard_model(model, recipe, mesh=dp_mesh, lowp_all_gather=False)
+    elif data_parallel:
+        reducer = GradReducer(list(model.parameters()), world.mesh["dp_replicate"].get_group(),
+                              grad_comm=recipe.grad_comm, seed=recipe.seed)
     seen = [0]
 
     def sent() -> int:
         total = sum(tp_stats(model).values())
         step, seen[0] = total - seen[0], total
+        if reducer is not None:
+            return step + reducer.bytes_sent
         return step + (allgather_bytes(model, reset=True) if sharded else 0)
 
-    def sync() -> None:
+    def after_backward() -> None:
+        if reducer is not None:
+            reducer.reduce()
         sync_amax_histories(model, group)
 
-    return Wrapped(model, sent, sync)
+    return Wrapped(model, sent, after_backward)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -263,6 +283,8 @@ def init_world(strategy: str, backend: str = "auto", mesh_shape: tuple[int, int]
                                     world_size=int(os.environ["WORLD_SIZE"]))
     if layout is not None and not layout.model_parallel:
         layout = None
+    if layout is not None:  # the layout's degrees replace "hsdp"'s (replicas, shards) of the data-parallel ranks
+        mesh_shape = None
     world = World(rank=dist.get_rank(), size=dist.get_world_size(), strategy=strategy, mesh_shape=mesh_shape,
                   layout=layout)
     if layout is not None:

@@ -362,7 +362,7 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
     if world.pp > 1:
         from ._pp_runner import build_pipeline
 
-        pipeline = build_pipeline(task, wrapped.model, world)
+        pipeline = build_pipeline(task, wrapped, world, recipe)
     st = State(model=wrapped.model, optimizer=make_optimizer(r, wrapped.model, pipeline=pipeline), world=world,
                wrapped=wrapped, device=device, pipeline=pipeline)
     if recipe.fallback is not None:

@@ -73,45 +73,29 @@ def _collective(world: World) -> bool:
 
 
 def _tp_full_state(st: State) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Collective: the full (unsharded) state of a tensor-parallel model, in a single process's format (the
-    inner optimizer's state keyed by parameter index, as ``torch.optim.Optimizer.state_dict`` keys it)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    """Collective: the full (unsharded) state of a tensor-parallel model (FSDP2- or HSDP-sharded as well), in a
+    single process's format (the inner optimizer's state keyed by parameter index, as
+    ``torch.optim.Optimizer.state_dict`` keys it); ``lowprec.distributed.full_model_state`` gathers each DTensor
+    per mesh dimension, which ``full_tensor()`` gets wrong for FSDP2 over the fused qkv (torch 2.13)."""
+    from ..distributed import full_model_state, full_optimizer_state
 
-    o = StateDictOptions(full_state_dict=True)
     model = unwrap(st.model)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    index = {n: i for i, n in enumerate(names)}
-    inner: Any = get_optimizer_state_dict(model, st.optimizer.optimizer, options=o)
-    native = {"state": {index[k]: v for k, v in inner["state"].items()},
-              "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in inner["param_groups"]]}
-    return dict(get_model_state_dict(model, options=o)), {**st.optimizer.state_dict(), "optimizer": native}
+    return full_model_state(model), {**st.optimizer.state_dict(), "optimizer": full_optimizer_state(
+        st.optimizer.optimizer)}
 
 
 def _tp_load_full_state(st: State, model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> None:
-    """Collective: load a full state (any layout's) into a tensor-parallel model; DTensor parameters and their
-    optimizer state are distributed to their shards."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    """Load a full state (any layout's) into a tensor-parallel model: each DTensor parameter and its optimizer
+    state take this rank's piece (no communication).  The optimizer's ``foreach`` stays this layout's (DTensor
+    parameters take the per-parameter loop)."""
+    from ..distributed import load_full_model_state, load_full_optimizer_state
 
-    if st.world.dp_size > 1:
-        raise UsageError("a run cannot continue as FSDP2 x TP: the fused qkv's 2-D (FSDP shard over TP strided "
-                         "shard) state does not load exactly in torch 2.13; resume it with TP alone (world_size = "
-                         "tp) or on one process")
-    o = StateDictOptions(full_state_dict=True)
-    model = unwrap(st.model)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    load_full_model_state(unwrap(st.model), model_sd)
+    inner = st.optimizer.optimizer
     native = opt_sd["optimizer"]
-    fqn: Any = {"state": {names[int(i)]: v for i, v in native["state"].items()},
-           "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in native["param_groups"]]}
-    set_model_state_dict(model, model_sd, options=o)
-    set_optimizer_state_dict(model, st.optimizer.optimizer, fqn, options=o)
+    groups = [{**g, "foreach": own.get("foreach")} for g, own in zip(native["param_groups"], inner.param_groups,
+                                                                      strict=True)]
+    load_full_optimizer_state(inner, {**native, "param_groups": groups})
     st.optimizer.load_state_dict({**opt_sd, "optimizer": None})
 
 
@@ -159,8 +143,6 @@ def save_state(r: ResolvedConfig, run_id: str, st: State, store: RunStore) -> No
     """Single/DDP: rank 0 saves the full state (replicas are identical) in one checksummed file.  FSDP2/HSDP: every
     rank saves its shards with torch.distributed.checkpoint.  Either kind resumes on any world size and layout.
     The files go next to the store that holds the run, and rank 0 records each one's digest in it (``_resume``)."""
-    if st.world.tp > 1 and st.world.dp_size > 1:
-        return  # FSDP2 x TP: no checkpoints (_mesh.check_supported: its 2-D fused-qkv state does not load back)
     directory = checkpoint_dir(store, run_id)
     extra = {"run_id": run_id, "step": st.step, "torch_rng": torch.get_rng_state(), "config": r.config.to_dict(),
              "world_size": st.world.size, "fallback": st.fallback.state_dict() if st.fallback is not None else None}
