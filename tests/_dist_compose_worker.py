@@ -27,6 +27,7 @@ RECIPES = ("fp8-tensorwise", "mxfp8")
 LAYOUTS = {
     # 2 ranks: the references of the same arithmetic (each rank's rows, each microbatch, as in the compositions)
     "ddp2": ParallelConfig(strategy="ddp", world_size=2),
+    "tp2": ParallelConfig(strategy="ddp", world_size=2, tp=2),
     "pp2_m4": ParallelConfig(strategy="ddp", world_size=2, pp=2, microbatches=4),
     # 4 ranks
     "ddp4": ParallelConfig(strategy="ddp", world_size=4),  # the reference of hsdp2x2_tp2's rows (2 per rank)
@@ -39,10 +40,24 @@ LAYOUTS = {
 }
 
 
+def recipe_of(name: str) -> Any:
+    """A named recipe, or "fp8-bf16-grads": fp8-tensorwise with bf16 data-parallel gradients (``grad_comm``)."""
+    import dataclasses
+
+    from lowprec import recipes
+    from lowprec.quant import QuantSpec
+    from lowprec.recipes import GradComm
+
+    if name == "fp8-bf16-grads":
+        spec = QuantSpec(elem="bfloat16", scaling="none")
+        return dataclasses.replace(recipes.get("fp8-tensorwise"), grad_comm=GradComm(spec=spec))
+    return recipes.get(name)
+
+
 def config(recipe: str, parallel: ParallelConfig, store: str, **kw: Any) -> RunConfig:
     """The run config of every composition and reference (the one-process ones too)."""
-    return w.config(recipe, parallel, store, **{"steps": STEPS, "eval_interval": STEPS, "checkpoint": CHECKPOINT,
-                                                **kw})
+    return w.config(recipe_of(recipe), parallel, store, **{"steps": STEPS, "eval_interval": STEPS,
+                                                           "checkpoint": CHECKPOINT, **kw})
 
 
 def main() -> None:

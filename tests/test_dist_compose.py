@@ -32,9 +32,10 @@ pytestmark = pytest.mark.slow  # make test-slow: real torchrun process groups
 
 TESTS = Path(__file__).parent
 LAUNCHES = {
-    2: ("ddp2/fp8-tensorwise", "ddp2/mxfp8", "pp2_m4/fp8-tensorwise", "pp2_m4/mxfp8"),
+    2: ("ddp2/fp8-tensorwise", "ddp2/mxfp8", "pp2_m4/fp8-tensorwise", "pp2_m4/mxfp8", "ddp2/fp8-bf16-grads"),
     4: ("ddp2_tp2/fp8-tensorwise", "ddp2_tp2/mxfp8", "ddp2_pp2/fp8-tensorwise", "ddp2_pp2/mxfp8",
-        "hsdp2x1_tp2/fp8-tensorwise", "ddp4/fp8-tensorwise", "fsdp2_tp2/fp32", "state_round_trip"),
+        "hsdp2x1_tp2/fp8-tensorwise", "ddp4/fp8-tensorwise", "fsdp2_tp2/fp32", "state_round_trip",
+        "ddp2_tp2/fp8-bf16-grads", "hsdp2x1_tp2/fp8-bf16-grads"),
     8: ("hsdp2x2_tp2/fp8-tensorwise", "state_round_trip"),
 }
 # Measured (torch 2.13 CPU, gloo, the GPT of _dist_layouts_worker, batch 8, 20 AdamW steps).
@@ -144,6 +145,21 @@ def test_ddp_x_tp_is_hsdp_with_one_shard_and_sends_its_gradients(runs: tuple[Pat
     assert np.array_equal(ddp["train/grad_norm"], hsdp["train/grad_norm"])
     sent = ddp["comm/bytes_sent"] - hsdp["comm/bytes_sent"]
     assert (sent == 4 * _local_numel(2)).all(), (sent[:3], _local_numel(2))
+
+
+def test_ddp_x_tp_sends_gradients_in_the_recipes_format(runs: tuple[Path, dict[str, str]]) -> None:
+    """A recipe with bf16 ``grad_comm``: DDP x TP's gradient averaging sends 2 bytes per local element (over what
+    HSDP 2x1 x TP, whose FSDP2 reduction is float32, sends for the same TP collectives), its loss leaves the
+    float32-gradient run's after step 1 (the forward of step 1 is the same), and stays within 3x the measured
+    1.5e-4 of DDP on 2 ranks with the same recipe (the compression hook's bf16 mean; TP's bf16 partial sums of the
+    input gradients, ``grad_comm`` too, are what differs)."""
+    tmp, ids = runs
+    got = _scalars(tmp, ids["ddp2_tp2/fp8-bf16-grads"])
+    fp32 = _scalars(tmp, ids["hsdp2x1_tp2/fp8-bf16-grads"])
+    ddp = _scalars(tmp, ids["ddp2/fp8-bf16-grads"])
+    assert (got["comm/bytes_sent"] - fp32["comm/bytes_sent"] == 2 * _local_numel(2)).all()
+    assert got["train/loss"][0] == fp32["train/loss"][0] and (got["train/loss"][1:] != fp32["train/loss"][1:]).any()
+    assert _rel(got["train/loss"], ddp["train/loss"]) <= 3 * 1.5e-4
 
 
 def _ckpt(tmp: Path, rid: str, step: int) -> dict:
