@@ -237,12 +237,12 @@ def test_rounding_in_place_matches_the_tensor_route(fmt: str, rounding: str) -> 
     Stochastic: the formats with float32's exponent range take the kernel's short loop (``seg_sr_wide``), the
     others the general one, over values past the format's largest (overflow), inf, NaN, signed zeros, float32
     subnormals and a counter offset.  Nearest: the float route in place (finite values; a NaN makes it decline and
-    leave the tensor unchanged), except bfloat16, whose one-pass bit kernel takes every value (overflow, inf and
-    NaN too).  A transposed tensor is declined and left unchanged."""
+    leave the tensor unchanged), except bfloat16 and float16, whose one-pass kernels take every value (overflow,
+    inf and NaN too).  A transposed tensor is declined and left unchanged."""
     spec = formats.get(fmt)
     x = _varied((300, 77), 5)
     specials = [-0.0, -1e-40, 1e-45]
-    every_value = rounding == "stochastic" or fmt == "bfloat16"
+    every_value = rounding == "stochastic" or fmt in ("bfloat16", "float16")
     if every_value:
         specials += [spec.max, -spec.max, 3.3999e38, float("inf"), float("nan")]
     else:  # the float route in place takes values the format holds, below 2^100 (v + C stays finite)
@@ -260,7 +260,7 @@ def test_rounding_in_place_matches_the_tensor_route(fmt: str, rounding: str) -> 
         if (rounding == "nearest" and not every_value) or not declined.is_contiguous():
             assert not quantize_in_place(declined, spec, rounding, 1234, 77)
             assert_bitwise_equal(declined, before, context=f"{fmt} declined")
-        elif rounding == "nearest":  # bfloat16: the NaN is taken and kept, the rest rounded
+        elif rounding == "nearest":  # bfloat16, float16: the NaN is taken and kept, the rest rounded
             with _backend.fast_paths(False):
                 want = lowprec.quantize(declined, fmt)
             assert quantize_in_place(declined, spec, rounding, 1234, 77)

@@ -28,7 +28,7 @@ import lowprec
 import lowprec.nn._linear as lin_mod
 from lowprec import formats
 from lowprec.quant import QuantSpec, _backend, _native, _native_group
-from lowprec.quant._elementwise import fast_round_ok, round_nearest_fast
+from lowprec.quant._elementwise import fast_round_ok, one_pass_ieee, round_nearest_fast, route_constants
 from lowprec.quant._round import quantize_f32
 from lowprec.quant._scaled import fake_quantize_tensors
 from lowprec.testing import assert_bitwise_equal
@@ -95,26 +95,40 @@ def _bf16_patterns(low_bits: list[int]) -> torch.Tensor:
 _BF16_LOW = [0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF]  # exact, just above, just below, at and past the tie, max
 
 
+def _one_pass(v: torch.Tensor, fmt: formats.FormatSpec, saturate: bool, out: torch.Tensor | None) -> torch.Tensor:
+    if fmt.name == "bfloat16":
+        return _native.round_bf16(v, saturate=saturate, out=out)
+    k, cmin = route_constants(fmt)
+    return _native.round_ieee(v, k=k, cmin=cmin, fmax=fmt.max, saturate=saturate, out=out)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "float8_e5m2"])
 @pytest.mark.parametrize("saturate", [False, True])
-def test_bf16_one_pass_kernel_matches_integer_route_on_every_high_half(saturate: bool) -> None:
-    """``_native.round_bf16`` (one pass, no amax pass, NaN and inf taken too) against the integer kernel on
-    393,216 bit patterns that include every NaN high half and inf; a new tensor and in place; and through the
-    public ``quantize`` and the bf16 GEMM output rounding (``_linear.product``)."""
+def test_one_pass_kernels_match_integer_route_on_every_high_half(name: str, saturate: bool) -> None:
+    """``_native.round_bf16`` and ``_native.round_ieee`` (one pass, no amax pass, NaN and inf taken too) against
+    the integer kernel on 393,216 bit patterns that include every NaN high half, inf and every float32 exponent
+    (overflow past the format's max among them), plus, for the narrower formats, whole binades around their
+    subnormal range and their largest binades (every tie); a new tensor and in place; and through the public
+    ``quantize`` and ``round_nearest_fast``."""
     if not _native.available():
         pytest.skip("no C compiler here: the native kernels are not built")
-    fmt = formats.get("bfloat16")
+    fmt = formats.get(name)
+    assert name == "bfloat16" or one_pass_ieee(fmt)
     v = _bf16_patterns(_BF16_LOW)
+    if name != "bfloat16":
+        v = torch.cat([v, *(_binade_sweep(e) for e in _exponents(fmt))])
     expected = quantize_f32(v, fmt, rounding="nearest", saturate=saturate, rbits=None)
-    assert bool(torch.isnan(v).any()) and bool(torch.isinf(v).any())
+    overflow = (v.abs() > fmt.max) & v.isfinite()
+    assert bool(torch.isnan(v).any()) and bool(torch.isinf(v).any()) and bool(overflow.any())
     before = v.clone()
-    assert_bitwise_equal(_native.round_bf16(v, saturate=saturate), expected, context="new tensor")
+    assert_bitwise_equal(_one_pass(v, fmt, saturate, None), expected, context="new tensor")
     assert_bitwise_equal(v, before, context="input unchanged")
     w = v.clone()
-    assert _native.round_bf16(w, saturate=saturate, out=w) is w
+    assert _one_pass(w, fmt, saturate, w) is w
     assert_bitwise_equal(w, expected, context="in place")
-    assert_bitwise_equal(lowprec.quant.quantize(v, "bfloat16", saturate=saturate), expected, context="quantize")
+    assert_bitwise_equal(lowprec.quant.quantize(v, name, saturate=saturate), expected, context="quantize")
     got = round_nearest_fast(v, fmt, saturate=saturate)
-    assert got is not None  # the one-pass kernel takes non-finite values: never declined
+    assert got is not None  # the one-pass kernels take non-finite values: never declined
     assert_bitwise_equal(got, expected, context="round_nearest_fast")
 
 
@@ -134,18 +148,21 @@ def test_bf16_one_pass_kernel_split_across_threads_matches() -> None:
     assert_bitwise_equal(got, expected, context="split")
 
 
-def test_bf16_gemm_output_is_rounded_in_place_with_the_reference_bits() -> None:
-    """The bf16 recipes' GEMM output rounding (``product``) rounds the GEMM's fresh result in place: the bits of
-    ``quantize(a @ b^T, bfloat16)``, NaN and inf from the GEMM included."""
-    spec = lowprec.recipes.get("bf16").linear.forward
+@pytest.mark.parametrize("recipe", ["bf16", "fp16-dynamic-loss-scale"])
+def test_gemm_output_is_rounded_in_place_with_the_reference_bits(recipe: str) -> None:
+    """The bf16 and fp16 recipes' GEMM output rounding (``product``) rounds the GEMM's fresh result in place: the
+    bits of ``quantize(a @ b^T, format)``, NaN and inf from the GEMM (and, for fp16, overflow) included."""
+    spec = lowprec.recipes.get(recipe).linear.forward
+    assert spec.output_format is not None
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(64, 48, generator=g), torch.randn(32, 48, generator=g)
     a[3, 7], a[5, 0], b[2, 1] = float("inf"), float("nan"), 3e38
+    a[9] *= 3e4  # past float16's max in some outputs
     ref = a @ b.t()
     with _native.enabled(False):
         expected = lin_mod.product(a, b, spec)
-    assert_bitwise_equal(expected, quantize_f32(ref, formats.get("bfloat16"), rounding="nearest", saturate=False,
-                                                rbits=None), context="tensor route")
+    assert_bitwise_equal(expected, quantize_f32(ref, formats.get(spec.output_format), rounding="nearest",
+                                                saturate=False, rbits=None), context="tensor route")
     assert bool(torch.isnan(expected).any()) and bool(torch.isinf(expected).any())
     assert_bitwise_equal(lin_mod.product(a, b, spec), expected, context="native in place")
 
@@ -170,8 +187,9 @@ def test_native_route_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     if not _native.available():
         pytest.skip("no C compiler here: the native kernels are not built")
     calls: list[int] = []
-    real = _native.round_nearest
+    real, real_ieee = _native.round_nearest, _native.round_ieee
     monkeypatch.setattr(_native, "round_nearest", lambda x, **kw: calls.append(x.numel()) or real(x, **kw))
+    monkeypatch.setattr(_native, "round_ieee", lambda x, **kw: calls.append(-x.numel()) or real_ieee(x, **kw))
     grouped: list[str] = []
     real_group = _native_group.fake
     monkeypatch.setattr(_native_group, "fake",
@@ -179,7 +197,7 @@ def test_native_route_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(64, 32)
     lowprec.quant.fake_quantize(x, "fp8_e4m3_tensorwise")
     lowprec.quantize(x, "float8_e5m2")
-    assert calls == [x.numel()] * 2 and grouped == []
+    assert calls == [x.numel(), -x.numel()] and grouped == []  # (float8_e5m2: the one-pass kernel)
     lowprec.quant.fake_quantize(x, "mxfp8_e4m3")  # any other spec: one call of the grouped kernel
     lowprec.quant.fake_quantize(x.t(), "nvfp4")
     assert grouped == ["block", "block"]

@@ -34,6 +34,7 @@ from .. import formats
 from .._errors import UsageError
 from ..quant import _native, _native_op, _random
 from ..quant import quantize as _quantize
+from ..quant._elementwise import one_pass_ieee, round_nearest_fast
 from ..quant._scaled import fake_quantize_tensors
 from ..recipes import Gemm, LinearRecipe, Operand
 from ..recipes._recipe import OPERAND_ROLE, shares_quantization
@@ -82,10 +83,13 @@ def product(qa: torch.Tensor, qb: torch.Tensor, spec: Gemm) -> torch.Tensor:
     out = accumulate_matmul(qa, qb, spec.accumulator)
     if spec.output_format is None:
         return out
-    if spec.output_format == "bfloat16" and _native.usable(out):
+    fmt = formats.get(spec.output_format)
+    if (fmt.name == "bfloat16" or one_pass_ieee(fmt)) and _native.usable(out):
         # the GEMM's own fresh result, rounded in place in one pass (no second tensor, no amax pass)
-        return _native.round_bf16(out, saturate=False, out=out)
-    return _quantize(out, formats.get(spec.output_format))
+        r = round_nearest_fast(out, fmt, saturate=False, sign=out)
+        if r is not None:
+            return r
+    return _quantize(out, fmt)
 
 
 def gemm(

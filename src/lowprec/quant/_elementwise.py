@@ -107,15 +107,22 @@ def round_nearest_fast(
     caller knows it (it must then know that ``v`` is finite); otherwise it is read back to Python (eager only).
     ``native_only``: None also where the fused C loop (``_native``) does not apply.  Unscaled bfloat16 (no
     ``vmax``; ``sign`` absent or ``v`` itself) of a tensor the C loops take is one pass on the bits that handles NaN
-    and inf as well (``_native.round_bf16``): never None.
+    and inf as well (``_native.round_bf16``), and so is float16 / float8_e5m2 by the float route
+    (``_native.round_ieee``, ``one_pass_ieee``): never None.
     """
     if not fast_round_ok(fmt, "nearest") or v.numel() == 0 or v.dtype != torch.float32:
         return None
     if native_only and not _native.usable(v):
         return None
-    if fmt.name == "bfloat16" and vmax is None and (sign is None or sign is v) and _native.usable(v):
-        # unscaled bfloat16: one pass on the bits that takes NaN and inf as well (``_native.round_bf16``)
-        return _native.round_bf16(v, saturate=saturate, out=v if sign is not None else None)
+    if vmax is None and (sign is None or sign is v) and _native.usable(v):
+        # unscaled: one pass that takes NaN and inf as well, for bfloat16 on the bits (``_native.round_bf16``), for
+        # IEEE formats with inf and -0 (float16, float8_e5m2) by the float route (``_native.round_ieee``)
+        out = v if sign is not None else None
+        if fmt.name == "bfloat16":
+            return _native.round_bf16(v, saturate=saturate, out=out)
+        if one_pass_ieee(fmt):
+            k, cmin = route_constants(fmt)
+            return _native.round_ieee(v, k=k, cmin=cmin, fmax=fmt.max, saturate=saturate, out=out)
     if vmax is None and _native.usable(v):
         vmax = _native.absmax(v)
         if vmax is None:
@@ -174,6 +181,13 @@ def route_fits(fmt: FormatSpec, vmax: float) -> bool:
     """Whether the float route handles magnitudes up to ``vmax`` (after any clamp): ``C = 1.5 * 2^(E + 23 - M)``
     and ``v + C`` must stay finite."""
     return vmax < 2.0 ** (126 - (24 - fmt.mbits))
+
+
+def one_pass_ieee(fmt: FormatSpec) -> bool:
+    """Whether ``_native.round_ieee`` rounds ``fmt``: a float format with inf and -0 whose float route takes
+    magnitudes up to ``2 * max`` (float16 and float8_e5m2; not bfloat16, which has its own kernel, nor tf32)."""
+    return (fmt.kind == "float" and fmt.has_inf and fmt.has_negative_zero and fmt.name != "bfloat16"
+            and fast_round_ok(fmt, "nearest") and route_fits(fmt, 2.0 * fmt.max))
 
 
 def route_constants(fmt: FormatSpec) -> tuple[float, float]:

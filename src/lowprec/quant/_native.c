@@ -51,6 +51,27 @@ void lp_round_bf16(const uint32_t *x, uint32_t *y, int64_t n, int saturate)
     }
 }
 
+/* y[i] = round-to-nearest-even of x[i] onto an IEEE float format with inf and -0 (float16, float8_e5m2) in one
+ * pass for every input, by the float32 route below on |x| clamped to 2 * fmax (v + c stays finite; anything above
+ * fmax is overflow either way): r = (v + c) - c, then r > fmax overflows to inf, or to fmax when saturating, the
+ * sign of x goes back on (zeros included), and NaN and inf pass unchanged (the integer route's rules for formats
+ * with inf: _round.quantize_f32).  The caller checks that 2 * fmax passes route_fits.  y may be x (in place). */
+void lp_round_ieee(const uint32_t *x, uint32_t *y, int64_t n, float k, float cmin, float fmax, int saturate)
+{
+    const uint32_t fmb = f2u(fmax), ovb = saturate ? fmb : 0x7f800000u;
+    const float lim = 2.0f * fmax;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t b = x[i], a = b & 0x7fffffffu;
+        float v = u2f(a);
+        v = v < lim ? v : lim;  /* (NaN: any value, replaced below) */
+        float c = u2f(f2u(v) & 0x7f800000u) * k;
+        c = c < cmin ? cmin : c;
+        uint32_t rb = f2u((v + c) - c);
+        rb = rb > fmb ? ovb : rb;
+        y[i] = a < 0x7f800000u ? (rb | (b & 0x80000000u)) : b;
+    }
+}
+
 /* y[i] = RNE(clamp(x[i] * mul)) * post: round-to-nearest-even onto a float format's grid by the float32 route
  *     c = max(2^E(v) * k, cmin),   RNE(v) = (v + c) - c,   E(v) = floor(log2 |v|)
  * (k = 1.5 * 2^(23 - M), cmin = 1.5 * 2^(23 + emin - M); the proof is in _elementwise.py's docstring).

@@ -56,6 +56,8 @@ def _build() -> ctypes.CDLL | None:
     lib.lp_round_nearest.restype = None
     lib.lp_round_bf16.argtypes = [ptr, ptr, i64, i32]
     lib.lp_round_bf16.restype = None
+    lib.lp_round_ieee.argtypes = [ptr, ptr, i64, f32, f32, f32, i32]
+    lib.lp_round_ieee.restype = None
     lib.lp_stats.argtypes = [ptr, ptr, ptr, i64, f32, i32, f32, i32, i32, f32, ptr]
     lib.lp_stats.restype = None
     u32 = ctypes.c_uint32
@@ -165,6 +167,23 @@ def round_bf16(x: torch.Tensor, *, saturate: bool, out: torch.Tensor | None = No
         return y
     spans = _parallel.ranges(n, _parallel.parts(n, _parallel.PASS_MIN_PER_THREAD), _ALIGN)
     _parallel.run(lib.lp_round_bf16, [(px + 4 * a, py + 4 * a, b - a, saturate) for a, b in spans])
+    return y
+
+
+def round_ieee(x: torch.Tensor, *, k: float, cmin: float, fmax: float, saturate: bool,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Round-to-nearest-even of a ``usable`` tensor onto an IEEE float format with inf and -0 (float16,
+    float8_e5m2) in one pass (``lp_round_ieee``): any values, NaN and inf included, so no amax pass first.  ``k``,
+    ``cmin``: the float route's constants; ``out`` as for ``round_bf16``."""
+    lib = _lib()
+    assert lib is not None
+    y = torch.empty_like(x) if out is None else out
+    n, px, py = x.numel(), x.data_ptr(), y.data_ptr()
+    if n < 2 * _parallel.PASS_MIN_PER_THREAD:
+        lib.lp_round_ieee(px, py, n, k, cmin, fmax, saturate)
+        return y
+    spans = _parallel.ranges(n, _parallel.parts(n, _parallel.PASS_MIN_PER_THREAD), _ALIGN)
+    _parallel.run(lib.lp_round_ieee, [(px + 4 * a, py + 4 * a, b - a, k, cmin, fmax, saturate) for a, b in spans])
     return y
 
 
