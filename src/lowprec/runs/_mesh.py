@@ -183,9 +183,11 @@ def check_supported(config: RunConfig) -> None:
         raise UsageError(f"{what}: recipe.fallback swaps layers while training, which a split model cannot "
                          "follow; remove the recipe's fallback or use a data-parallel layout")
     if r.weights.update in ("stochastic", "kahan"):
-        raise UsageError(f"{what}: recipe.weights.update = {r.weights.update!r} keys its per-element state by "
-                         "the local shard, so it would depend on the layout; use a recipe with master or nearest "
-                         "weight updates, or a data-parallel layout")
+        state = "random draws" if r.weights.update == "stochastic" else "compensation buffer"
+        raise UsageError(f"{what}: recipe.weights.update = {r.weights.update!r} keeps per-element weight state "
+                         f"({state}) that the runner does not yet test for layout independence on a split model "
+                         "(only the GEMMs' stochastic operands are); use a recipe with master or nearest weight "
+                         "updates, or a data-parallel layout")
     from ..reliability._config import ReliabilityConfig
 
     if config.faults or config.reliability != ReliabilityConfig() or config.stats.every is not None:
