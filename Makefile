@@ -7,14 +7,24 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LINT_VENV := .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
+XLA_VENV := .venv-xla
+XLA_STAMP := $(XLA_VENV)/.installed
 
-.PHONY: demo test test-slow test-all lint bench clean
+.PHONY: demo test test-slow test-all test-xla lint bench clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# PyTorch/XLA: its own venv (torch 2.9.0 + torch_xla 2.9.0, pinned in requirements-xla.lock; a CUDA build of torch
+# from PyPI, about 7 GB, that runs on the CPU).  `make test` does not need it.
+$(XLA_STAMP): pyproject.toml requirements-xla.lock
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements-xla.lock
+	$(XLA_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(XLA_STAMP)
 
 $(LINT_STAMP): requirements-lint.txt
 	$(PYTHON) -m venv $(LINT_VENV)
@@ -35,6 +45,10 @@ test-slow: $(STAMP)
 
 test-all: test test-slow
 
+# `make test-xla`: tests_xla/ on torch_xla's CPU device (PJRT_DEVICE=CPU), in .venv-xla.
+test-xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU OMP_NUM_THREADS=2 $(XLA_VENV)/bin/python -m pytest tests_xla
+
 lint: $(LINT_STAMP) $(STAMP)
 	$(LINT_VENV)/bin/ruff check src tests benchmarks
 	$(LINT_VENV)/bin/mypy --python-executable $(PY) src
@@ -48,4 +62,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_inference.py --threads 1
 
 clean:
-	rm -rf $(VENV) $(LINT_VENV) .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) $(LINT_VENV) $(XLA_VENV) .pytest_cache build src/*.egg-info
