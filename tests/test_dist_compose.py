@@ -194,18 +194,21 @@ def test_full_state_round_trip_on_fsdp2_and_hsdp_x_tp_meshes(runs: tuple[Path, d
     assert f"state round trip on {shape}: gathered within" in ids[f"stdout/{nproc}"]
 
 
-@pytest.mark.parametrize(("par", "key", "name"), [("tp = 2", "tp", "dp_replicate2 x tp2"),
-                                                  ("pp = 2\nmicrobatches = 2", "pp", "pp2 x dp_replicate2")])
-def test_parity_cli_on_data_parallel_compositions(tmp_path: Path, capsys: pytest.CaptureFixture[str], par: str,
-                                                  key: str, name: str) -> None:
-    """`lowprec parity` on DDP 2 x TP 2 and PP 2 x DP 2 (4 processes each) against one process, fp32, 12 steps:
-    PASS within the split's tolerance, exit 0."""
+@pytest.mark.parametrize(("strategy", "par", "key", "name"), [
+    ("ddp", "tp = 2", "tp", "dp_replicate2 x tp2"),
+    ("ddp", "pp = 2\nmicrobatches = 2", "pp", "pp2 x dp_replicate2"),
+    ("fsdp2", "tp = 2", "tp", "dp_shard2 x tp2"),  # FSDP2 sharding the TP DTensors (measured 9.5e-8)
+])
+def test_parity_cli_on_data_parallel_compositions(tmp_path: Path, capsys: pytest.CaptureFixture[str], strategy: str,
+                                                  par: str, key: str, name: str) -> None:
+    """`lowprec parity` on DDP 2 x TP 2, PP 2 x DP 2 and FSDP2 2 x TP 2 (4 processes each) against one process,
+    fp32, 12 steps: PASS within the split's tolerance, exit 0, the run named by its layout."""
     from lowprec.cli import main
 
     opts = ", ".join(f"{k} = {v}" for k, v in w.GPT.items())
     (tmp_path / "c.toml").write_text(f'model = "gpt-bytes"\nmodel_options = {{ {opts} }}\nrecipe = "fp32"\n'
                                      "steps = 12\nbatch_size = 8\nseed = 0\nthreads = 1\n"
-                                     f'[parallel]\nstrategy = "ddp"\nworld_size = 4\n{par}\n')
+                                     f'[parallel]\nstrategy = "{strategy}"\nworld_size = 4\n{par}\n')
     rc = main(["parity", str(tmp_path / "c.toml"), "--against", "single", "--quiet",
                "--store", str(tmp_path / "runs.db")])
     out = capsys.readouterr().out
