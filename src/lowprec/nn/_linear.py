@@ -84,8 +84,10 @@ def product(qa: torch.Tensor, qb: torch.Tensor, spec: Gemm) -> torch.Tensor:
     if spec.output_format is None:
         return out
     fmt = formats.get(spec.output_format)
-    if (fmt.name == "bfloat16" or one_pass_ieee(fmt)) and _native.usable(out):
-        # the GEMM's own fresh result, rounded in place in one pass (no second tensor, no amax pass)
+    if ((fmt.name == "bfloat16" or one_pass_ieee(fmt)) and not torch.compiler.is_compiling()
+            and _native.usable(out)):
+        # eager: the GEMM's own fresh result, rounded in place in one pass (no second tensor, no amax pass);
+        # compiled graphs keep the traced rounding, which inductor fuses
         r = round_nearest_fast(out, fmt, saturate=False, sign=out)
         if r is not None:
             return r
