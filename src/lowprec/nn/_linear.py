@@ -32,9 +32,9 @@ from torch import nn
 
 from .. import formats
 from .._errors import UsageError
-from ..quant import _native, _native_op, _random
+from ..quant import _native_op, _random
 from ..quant import quantize as _quantize
-from ..quant._elementwise import one_pass_ieee, round_nearest_fast
+from ..quant._elementwise import quantize_in_place
 from ..quant._scaled import fake_quantize_tensors
 from ..recipes import Gemm, LinearRecipe, Operand
 from ..recipes._recipe import OPERAND_ROLE, shares_quantization
@@ -84,13 +84,10 @@ def product(qa: torch.Tensor, qb: torch.Tensor, spec: Gemm) -> torch.Tensor:
     if spec.output_format is None:
         return out
     fmt = formats.get(spec.output_format)
-    if ((fmt.name == "bfloat16" or one_pass_ieee(fmt)) and not torch.compiler.is_compiling()
-            and _native.usable(out)):
-        # eager: the GEMM's own fresh result, rounded in place in one pass (no second tensor, no amax pass);
-        # compiled graphs keep the traced rounding, which inductor fuses
-        r = round_nearest_fast(out, fmt, saturate=False, sign=out)
-        if r is not None:
-            return r
+    if not torch.compiler.is_compiling() and quantize_in_place(out, fmt):
+        # eager: the GEMM's own fresh result, rounded in place (bfloat16 / float16: one pass, no amax pass; no
+        # second tensor); compiled graphs keep the traced rounding, which inductor fuses
+        return out
     return _quantize(out, fmt)
 
 

@@ -27,6 +27,7 @@ import ctypes
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -140,34 +141,34 @@ def round_nearest(x: torch.Tensor, *, k: float, cmin: float, mul: float | None =
     """
     lib = _lib()
     assert lib is not None
-    y = torch.empty_like(x) if out is None else out
-    n, px, py = x.numel(), x.data_ptr(), y.data_ptr()
     consts = (1.0 if mul is None else mul, mul is not None, 1.0 if post is None else post, post is not None, k, cmin,
               clamp is not None, 0.0 if clamp is None else clamp, signed_zero)
+    return _pass(lib.lp_round_nearest, x, out, consts)
+
+
+def _pass(fn: Any, x: torch.Tensor, out: torch.Tensor | None, consts: tuple[Any, ...]) -> torch.Tensor:
+    """``fn(x, y, n, *consts)`` over a ``usable`` tensor into ``out`` (may be ``x``: in place; else a new tensor):
+    one foreign call below two threads' worth of elements (the training GEMMs' operands and outputs are 10^4 to
+    10^5 elements, where the split's bookkeeping is a large part of the time), else split across threads at
+    ``_ALIGN``-element boundaries (``_parallel``)."""
+    y = torch.empty_like(x) if out is None else out
+    n, px, py = x.numel(), x.data_ptr(), y.data_ptr()
     if n < 2 * _parallel.PASS_MIN_PER_THREAD:
-        lib.lp_round_nearest(px, py, n, *consts)
+        fn(px, py, n, *consts)
         return y
     spans = _parallel.ranges(n, _parallel.parts(n, _parallel.PASS_MIN_PER_THREAD), _ALIGN)
-    _parallel.run(lib.lp_round_nearest, [(px + 4 * a, py + 4 * a, b - a, *consts) for a, b in spans])
+    _parallel.run(fn, [(px + 4 * a, py + 4 * a, b - a, *consts) for a, b in spans])
     return y
 
 
 def round_bf16(x: torch.Tensor, *, saturate: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """``quantize_f32(x, bfloat16, rounding="nearest", saturate=saturate)`` of a ``usable`` tensor in one pass
     (``lp_round_bf16``): any values, NaN and inf included, so no amax pass first.  ``out``: a contiguous float32
-    tensor of ``x``'s shape (may be ``x`` itself: in place), else a new one.  Large tensors: split across threads
-    (``_parallel``); below that, one foreign call and nothing else (the training GEMMs' operands and outputs are
-    10^4 to 10^5 elements, where the wrapper is a large part of the time)."""
+    tensor of ``x``'s shape (may be ``x`` itself: in place), else a new one (``_pass``: large tensors split across
+    threads)."""
     lib = _lib()
     assert lib is not None
-    y = torch.empty_like(x) if out is None else out
-    n, px, py = x.numel(), x.data_ptr(), y.data_ptr()
-    if n < 2 * _parallel.PASS_MIN_PER_THREAD:
-        lib.lp_round_bf16(px, py, n, saturate)
-        return y
-    spans = _parallel.ranges(n, _parallel.parts(n, _parallel.PASS_MIN_PER_THREAD), _ALIGN)
-    _parallel.run(lib.lp_round_bf16, [(px + 4 * a, py + 4 * a, b - a, saturate) for a, b in spans])
-    return y
+    return _pass(lib.lp_round_bf16, x, out, (saturate,))
 
 
 def round_ieee(x: torch.Tensor, *, k: float, cmin: float, fmax: float, saturate: bool,
@@ -177,14 +178,7 @@ def round_ieee(x: torch.Tensor, *, k: float, cmin: float, fmax: float, saturate:
     ``cmin``: the float route's constants; ``out`` as for ``round_bf16``."""
     lib = _lib()
     assert lib is not None
-    y = torch.empty_like(x) if out is None else out
-    n, px, py = x.numel(), x.data_ptr(), y.data_ptr()
-    if n < 2 * _parallel.PASS_MIN_PER_THREAD:
-        lib.lp_round_ieee(px, py, n, k, cmin, fmax, saturate)
-        return y
-    spans = _parallel.ranges(n, _parallel.parts(n, _parallel.PASS_MIN_PER_THREAD), _ALIGN)
-    _parallel.run(lib.lp_round_ieee, [(px + 4 * a, py + 4 * a, b - a, k, cmin, fmax, saturate) for a, b in spans])
-    return y
+    return _pass(lib.lp_round_ieee, x, out, (k, cmin, fmax, saturate))
 
 
 def stats(x: torch.Tensor, q: torch.Tensor | None, bounds: tuple[tuple[float, bool], tuple[float, bool]] | None,

@@ -491,17 +491,24 @@ static __attribute__((noinline)) void seg_sr_wide(const float *x, float *y, int6
 
 /* Unscaled rounding of n elements: pieces of 1024, each by the loop without special-value rules where the piece is
  * finite (one integer max over its bits, which also brings it into cache), else the full loop. */
+/* max |bits| of n floats (an integer max: NaN and inf compare above every finite value) */
+static inline uint32_t max_abs_bits(const float *x, int64_t n)
+{
+    const uint32_t *xb = (const uint32_t *)(const void *)x;
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t v = xb[i] & 0x7fffffffu;
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
 static void unscaled_pieces(const float *x, float *y, int64_t n, const lp_elem *e, seg_fn full, seg_fn fin, uint32_t cnt,
                         uint32_t cstep, uint32_t k1, uint32_t k2)
 {
-    const uint32_t *xb = (const uint32_t *)(const void *)x;
     for (int64_t c0 = 0; c0 < n; c0 += 1024) {
         int64_t len = n - c0 < 1024 ? n - c0 : 1024;
-        uint32_t m = 0;
-        for (int64_t i = 0; i < len; i++) {
-            uint32_t v = xb[c0 + i] & 0x7fffffffu;
-            m = v > m ? v : m;
-        }
+        uint32_t m = max_abs_bits(x + c0, len);
         (m < 0x7f800000u ? fin : full)(x + c0, y + c0, len, e, 1.0f, 1.0f, 0, 0, cnt + (uint32_t)c0 * cstep, cstep,
                                        k1, k2);
     }
@@ -629,18 +636,6 @@ LP_KAHAN(kahan_int, 2, 0)
 LP_KAHAN(kahan_float_fin, 1, 6)
 LP_KAHAN(kahan_int_fin, 2, 6)
 #undef LP_KAHAN
-
-/* max |bits| of n floats (an integer max: NaN and inf compare above every finite value) */
-static inline uint32_t max_abs_bits(const float *x, int64_t n)
-{
-    const uint32_t *xb = (const uint32_t *)(const void *)x;
-    uint32_t m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t v = xb[i] & 0x7fffffffu;
-        m = v > m ? v : m;
-    }
-    return m;
-}
 
 void lp_kahan_update(float *p, const float *old, float *c, int64_t n, const lp_elem *e)
 {
