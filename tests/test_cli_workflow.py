@@ -254,7 +254,8 @@ def slow_from(*, seed, batch_size=None, first_slow_seed=1, marker=""):
 '''
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+# SIGTERM (the same resume path through another signal) runs in make test-slow: each case is a full subprocess run
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)])
 def test_an_interrupted_run_prints_the_command_that_resumes_it(tmp_path: Path, sig: int, code: int) -> None:
     """Oracle: the store, and a real signal to a real ``lowprec run`` of two seeds: seed 0 completes, seed 1 is
     interrupted; the last line names seed 1's run (the failed one, not the completed one), with --store since the

@@ -176,6 +176,7 @@ def test_an_exception_in_train_fails_the_run_when_collected(tmp_path: Path) -> N
     assert rec.status == "failed" and "did not reach on_train_end" in rec.error
 
 
+@pytest.mark.slow  # a subprocess importing transformers and training (~25 s quiet, 65 s under load): make test-slow
 def test_an_uncaught_exception_fails_the_run_at_exit(tmp_path: Path) -> None:
     """A script whose trainer.train() raises: the run is failed at exit with the uncaught exception's text."""
     script = tmp_path / "train.py"

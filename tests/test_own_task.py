@@ -250,6 +250,7 @@ def test_example_runs_from_another_folder(tmp_path: Path) -> None:
 
 
 @NO_CUDA
+@pytest.mark.slow  # torchrun with 2 processes (~20 s quiet, 50 s under load): make test-slow
 def test_example_trains_data_parallel_with_dict_batches(tmp_path: Path) -> None:
     """The example on 2 torchrun workers (gloo) from a copy of its folder: the workers find mytask.py there, in the
     folder the launcher passes them, not through PYTHONPATH or the working directory."""
