@@ -29,14 +29,18 @@ LAYOUTS = {
     "ddp2": ParallelConfig(strategy="ddp", world_size=2),
     "tp2": ParallelConfig(strategy="ddp", world_size=2, tp=2),
     "pp2_m4": ParallelConfig(strategy="ddp", world_size=2, pp=2, microbatches=4),
+    "tp2_sp": ParallelConfig(strategy="ddp", world_size=2, tp=2, sequence_parallel=True),
     # 4 ranks
     "ddp4": ParallelConfig(strategy="ddp", world_size=4),  # the reference of hsdp2x2_tp2's rows (2 per rank)
     "fsdp2_tp2": ParallelConfig(strategy="fsdp2", world_size=4, tp=2),  # dp_shard 2 x tp 2
     "ddp2_tp2": ParallelConfig(strategy="ddp", world_size=4, tp=2),  # dp_replicate 2 x tp 2
     "ddp2_pp2": ParallelConfig(strategy="ddp", world_size=4, pp=2, microbatches=2),  # pp 2 x dp_replicate 2
     "hsdp2x1_tp2": ParallelConfig(strategy="hsdp", world_size=4, tp=2, mesh_shape=(2, 1)),  # replicate 2 x shard 1
+    "pp2_tp2": ParallelConfig(strategy="ddp", world_size=4, pp=2, tp=2, microbatches=4),  # TP inside the stages
+    "pp2_tp2_sp": ParallelConfig(strategy="ddp", world_size=4, pp=2, tp=2, microbatches=4, sequence_parallel=True),
     # 8 ranks
     "hsdp2x2_tp2": ParallelConfig(strategy="hsdp", world_size=8, tp=2, mesh_shape=(2, 2)),
+    "pp2_ddp2_tp2": ParallelConfig(strategy="ddp", world_size=8, pp=2, tp=2, microbatches=2),  # 2 replicas of pp2_tp2
 }
 
 

@@ -32,11 +32,13 @@ pytestmark = pytest.mark.slow  # make test-slow: real torchrun process groups
 
 TESTS = Path(__file__).parent
 LAUNCHES = {
-    2: ("ddp2/fp8-tensorwise", "ddp2/mxfp8", "pp2_m4/fp8-tensorwise", "pp2_m4/mxfp8", "ddp2/fp8-bf16-grads"),
+    2: ("ddp2/fp8-tensorwise", "ddp2/mxfp8", "pp2_m4/fp8-tensorwise", "pp2_m4/mxfp8", "ddp2/fp8-bf16-grads",
+        "pp2_m4/fp32", "tp2/fp32"),
     4: ("ddp2_tp2/fp8-tensorwise", "ddp2_tp2/mxfp8", "ddp2_pp2/fp8-tensorwise", "ddp2_pp2/mxfp8",
         "hsdp2x1_tp2/fp8-tensorwise", "ddp4/fp8-tensorwise", "fsdp2_tp2/fp32", "state_round_trip",
-        "ddp2_tp2/fp8-bf16-grads", "hsdp2x1_tp2/fp8-bf16-grads"),
-    8: ("hsdp2x2_tp2/fp8-tensorwise", "state_round_trip"),
+        "ddp2_tp2/fp8-bf16-grads", "hsdp2x1_tp2/fp8-bf16-grads",
+        "pp2_tp2/fp32", "pp2_tp2/fp8-tensorwise", "pp2_tp2/mxfp8", "pp2_tp2_sp/fp8-tensorwise"),
+    8: ("hsdp2x2_tp2/fp8-tensorwise", "state_round_trip", "pp2_ddp2_tp2/fp8-tensorwise"),
 }
 # Measured (torch 2.13 CPU, gloo, the GPT of _dist_layouts_worker, batch 8, 20 AdamW steps).
 SAME = {  # (composition, reference): (steps with equal losses, steps with equal gradient norms, max rel. loss diff)
@@ -48,12 +50,19 @@ SAME = {  # (composition, reference): (steps with equal losses, steps with equal
     ("ddp2_pp2/mxfp8", "pp2_m4/mxfp8"): (0, 11, 9.8e-6),
     # 2 rows per rank: TP's partial sums move float32 last bits that fp8 inputs round apart from step 1
     ("hsdp2x2_tp2/fp8-tensorwise", "ddp4/fp8-tensorwise"): (0, 0, 6.2e-5),
+    # TP inside the stages: TP's sharded sums and DTensor norm, on the pipeline's microbatches
+    ("pp2_tp2/fp8-tensorwise", "pp2_m4/fp8-tensorwise"): (5, 3, 6.1e-5),
+    ("pp2_tp2/mxfp8", "pp2_m4/mxfp8"): (9, 11, 9.8e-6),
+    # 2 replicas of it, with 2 microbatches each: as DP x PP against PP
+    ("pp2_ddp2_tp2/fp8-tensorwise", "pp2_tp2/fp8-tensorwise"): (0, 13, 1.0e-7),
 }
 EARLY = 1e-6
 """Max relative loss difference over the first 6 steps from the layout of the same arithmetic (measured 3.6e-7)."""
 SINGLE = {  # composition: max relative loss difference from one process on the whole batch (DDP alone: 1.3e-4)
     "ddp2_tp2/fp8-tensorwise": 1.3e-4, "ddp2_tp2/mxfp8": 1.3e-7, "ddp2_pp2/fp8-tensorwise": 2.0e-4,
     "ddp2_pp2/mxfp8": 9.9e-8, "hsdp2x2_tp2/fp8-tensorwise": 1.7e-4,
+    # PP alone: 1.9e-4 and 9.8e-6; TP alone: 7.2e-5 and 0 (mxfp8's TP sums round to one process's here)
+    "pp2_tp2/fp8-tensorwise": 1.7e-4, "pp2_tp2/mxfp8": 1.1e-7, "pp2_ddp2_tp2/fp8-tensorwise": 1.7e-4,
 }
 ENV = {"PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
 
@@ -167,12 +176,14 @@ def _ckpt(tmp: Path, rid: str, step: int) -> dict:
         return load_checkpoint(checkpoint_dir(store, rid) / f"step-{step:08d}.ckpt")
 
 
-def test_fsdp2_x_tp_checkpoint_is_the_one_process_state(runs: tuple[Path, dict[str, str]]) -> None:
-    """FSDP2 x TP's full-state checkpoint has one process's keys and shapes, and after 10 fp32 steps its tensors
-    are within float32 drift of one process's (measured max |diff| 2e-7 or so; DTensor's own full_tensor() of
-    the 2-D fused qkv put rows elsewhere: 0.12 after one step)."""
+@pytest.mark.parametrize("layout", ["fsdp2_tp2", "pp2_tp2"])
+def test_split_checkpoint_is_the_one_process_state(runs: tuple[Path, dict[str, str]], layout: str) -> None:
+    """FSDP2 x TP's and TP x PP's full-state checkpoints have one process's keys and shapes, and after 10 fp32
+    steps their tensors are within float32 drift of one process's (measured max |diff| 2e-7 or so; DTensor's own
+    full_tensor() of the 2-D fused qkv put rows elsewhere: 0.12 after one step; a stage not broadcast from its
+    owner, or an optimizer state not merged over the stages, would be 10 steps stale or missing)."""
     tmp, ids = runs
-    got, want = _ckpt(tmp, ids["fsdp2_tp2/fp32"], 10), _ckpt(tmp, ids["single/fp32"], 10)
+    got, want = _ckpt(tmp, ids[f"{layout}/fp32"], 10), _ckpt(tmp, ids["single/fp32"], 10)
     assert got["model"].keys() == want["model"].keys()
     diffs = {k: float((got["model"][k].double() - v.double()).abs().max()) for k, v in want["model"].items()
              if v.is_floating_point()}
@@ -198,11 +209,12 @@ def test_full_state_round_trip_on_fsdp2_and_hsdp_x_tp_meshes(runs: tuple[Path, d
     ("ddp", "tp = 2", "tp", "dp_replicate2 x tp2"),
     ("ddp", "pp = 2\nmicrobatches = 2", "pp", "pp2 x dp_replicate2"),
     ("fsdp2", "tp = 2", "tp", "dp_shard2 x tp2"),  # FSDP2 sharding the TP DTensors (measured 9.5e-8)
+    ("ddp", "tp = 2\npp = 2\nmicrobatches = 2", "pp", "pp2 x tp2"),  # TP inside the pipeline's stages
 ])
 def test_parity_cli_on_data_parallel_compositions(tmp_path: Path, capsys: pytest.CaptureFixture[str], strategy: str,
                                                   par: str, key: str, name: str) -> None:
-    """`lowprec parity` on DDP 2 x TP 2, PP 2 x DP 2 and FSDP2 2 x TP 2 (4 processes each) against one process,
-    fp32, 12 steps: PASS within the split's tolerance, exit 0, the run named by its layout."""
+    """`lowprec parity` on DDP 2 x TP 2, PP 2 x DP 2, FSDP2 2 x TP 2 and PP 2 x TP 2 (4 processes each) against one
+    process, fp32, 12 steps: PASS within the split's tolerance, exit 0, the run named by its layout."""
     from lowprec.cli import main
 
     opts = ", ".join(f"{k} = {v}" for k, v in w.GPT.items())
@@ -253,3 +265,65 @@ def test_fsdp2_x_tp_resumes_across_layouts(runs: tuple[Path, dict[str, str]], tm
     for i, s in ref10["optimizer"]["optimizer"]["state"].items():
         for k, v in s.items():
             assert torch.equal(resumed10["optimizer"]["optimizer"]["state"][i][k], v), (i, k)
+
+
+def test_tp_inside_pipeline_stages_is_the_pipeline_in_fp32(runs: tuple[Path, dict[str, str]]) -> None:
+    """TP x PP (pp 2 x tp 2, 4 microbatches) against PP 2 alone on the same microbatches, fp32: the loss at every
+    step within 1e-6 (measured: bit for bit at all 20 steps) and the gradient norm (over both stages and the TP
+    shards, clipped to 1) within 1e-6 (measured: one float32 ulp, DTensor's norm of the shards).  Rank 0 (stage 0,
+    TP rank 0) sends exactly half of TP 2's bytes at every step: its stage holds one of the two blocks, and the 4
+    microbatches' activations are the batch's; the stage shapes worked out on the first step send none counted."""
+    tmp, ids = runs
+    got, pp, tp = (_scalars(tmp, ids[g]) for g in ("pp2_tp2/fp32", "pp2_m4/fp32", "tp2/fp32"))
+    assert _rel(got["train/loss"], pp["train/loss"]) <= 1e-6
+    assert _rel(got["train/grad_norm"], pp["train/grad_norm"]) <= 1e-6
+    assert (pp["train/grad_norm"] > 1).all()  # every step clipped
+    assert (2 * got["comm/bytes_sent"] == tp["comm/bytes_sent"]).all(), (got["comm/bytes_sent"][:3],
+                                                                           tp["comm/bytes_sent"][:3])
+
+
+def test_sequence_parallel_inside_pipeline_stages(runs: tuple[Path, dict[str, str]]) -> None:
+    """TP x PP with sequence parallelism (each TP rank sends its sequence chunk across the stage boundary; fp8
+    activations all-gathered as codes with the TP group's shared scale) against the same layout without it,
+    fp8-tensorwise: the loss and the gradient norm at every step within 1e-6 (measured: bit for bit, both, at
+    all 20 steps: the split changes where values are, not how they are rounded), and fewer bytes at every step
+    (1-byte activation gathers instead of float32 partial-sum all-reduces)."""
+    tmp, ids = runs
+    sp, full = _scalars(tmp, ids["pp2_tp2_sp/fp8-tensorwise"]), _scalars(tmp, ids["pp2_tp2/fp8-tensorwise"])
+    assert _rel(sp["train/loss"], full["train/loss"]) <= 1e-6
+    assert _rel(sp["train/grad_norm"], full["train/grad_norm"]) <= 1e-6
+    assert (sp["comm/bytes_sent"] < full["comm/bytes_sent"]).all()
+
+
+def test_tp_x_pp_resumes_on_one_process_and_back(runs: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    """TP x PP (pp 2 x tp 2, fp32) fails at step 6 and resumes from its step-5 checkpoint on one process, which
+    fails at step 16 and resumes from its step-15 checkpoint as TP x PP again: every step once; the first 5 steps
+    and the step-5 checkpoint bit for bit those of the uninterrupted TP x PP run; the rest within 1e-6 of it (one
+    process and TP x PP differ by float32 drift, measured 1.1e-7; a stage loaded stale, or an optimizer state
+    lost, is far more: a fresh AdamW's first update is lr x sign(g))."""
+    tmp, ids = runs
+    cfg = c.config("fp32", c.LAYOUTS["pp2_tp2"], str(tmp_path / "runs.db"), model="_dist_layouts_worker:gpt_crash_at",
+                   model_options={**w.GPT, "steps": [5, 15], "marker": str(tmp_path / "m")})
+    with RunStore(cfg.store) as store:
+        with pytest.raises(RunFailed, match="injected failure at step 5"):
+            run_config(cfg, store=store, progress=False)
+        (rec,) = store.list_runs()
+        first5 = load_checkpoint(checkpoint_dir(store, rec.run_id) / "step-00000005.ckpt")
+        with pytest.raises(RuntimeError, match="injected failure at step 15"):
+            resume_run(rec.run_id, store=store, progress=False, world_size=1)
+        rid = resume_run(rec.run_id, store=store, progress=False, parallel=c.LAYOUTS["pp2_tp2"])
+        assert store.get_run(rid).status == "completed"
+        events = store.events(rid, kind="resumed")
+        assert [(e["step"], e["payload"]["world_size"], e["payload"]["checkpoint_world_size"]) for e in events] \
+            == [(5, 1, 4), (15, 4, 1)]
+        steps, got = store.scalars(rid)["train/loss"]
+    assert np.array_equal(steps, np.arange(1, c.STEPS + 1))
+    want = _scalars(tmp, ids["pp2_tp2/fp32"])["train/loss"]
+    assert np.array_equal(got[:5], want[:5])
+    assert _rel(got, want) <= 1e-6
+    ref5 = _ckpt(tmp, ids["pp2_tp2/fp32"], 5)
+    for k, v in ref5["model"].items():
+        assert torch.equal(first5["model"][k], v), k
+    for i, s in ref5["optimizer"]["optimizer"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(first5["optimizer"]["optimizer"]["state"][i][k], v), (i, k)

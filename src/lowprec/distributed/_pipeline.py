@@ -37,6 +37,16 @@ Emulated numerics are those of one process doing that accumulation:
 * A stochastic weight update (``Weights.update="stochastic"``) draws from (seed, step, parameter index); give the
   stage's optimizer ``param_index=pipeline.param_index`` so each parameter keeps its index in the whole model.
 
+Tensor parallelism inside the stages (``tensor_parallel(model, tp_mesh)`` before ``Pipeline(..., group=pp_group,
+tp_group=tp_group)``).  On a ``pp x tp`` mesh the pipeline's group links the ranks of one TP index (rank t of
+stage s talks to rank t of stage s + 1), as torchtitan's PP over TP does: every stage runs its linears on local
+shards with its TP group's collectives, and what crosses a stage boundary is each TP rank's plain local
+activation: the whole activation (replicated over the TP group) without sequence parallelism, this rank's
+sequence chunk with it (the chunk the next stage's first block expects), and back its gradient, which every TP
+rank of the sending stage holds in full for a replicated activation (the colwise input gradient is summed over
+the group) or for its own chunk.  The GEMMs are TP's (``_tp_linear``: one process's scales from the MAX
+all-reduce over the TP group), the schedule PP's; ``clip_grad_norm_`` and ``grads_finite`` reduce over both.
+
 Static stage metadata.  torch's dynamic shape inference runs one extra forward and backward of every stage on
 ``torch.empty`` inputs, which would advance ``lp_step`` and record uninitialised values in the amax histories.  So
 ``step`` works the shapes out itself on its first call: microbatch 0 through the stages up to this rank's last in
@@ -47,9 +57,10 @@ targets) to ``step``; runs build the same batch on every rank from (seed, step) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -61,6 +72,13 @@ from ._pp_split import StageModule, split_microbatches, split_stages
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 _SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _mean_loss(losses: Sequence[torch.Tensor], loss_scale: float) -> torch.Tensor:
@@ -127,15 +145,20 @@ class Pipeline:
     ``loss_fn(output, target)`` must reduce by mean (gradients are divided by M).  ``group``: the pipeline's process
     group (default: the world).  Stage s runs on the group's rank ``s % ranks``: one stage per rank for "gpipe" and
     "1f1b", ``stages_per_rank`` of them (rank r: stages r, r + ranks, ...) for "interleaved-1f1b".
+    ``tp_group``: the tensor-parallel group of this rank's stages when ``tensor_parallel`` was applied to ``model``
+    before this call (module docstring, "Tensor parallelism inside the stages"); ``group`` then links the ranks of
+    one TP index.
     """
 
     def __init__(self, model: nn.Module, *, loss_fn: LossFn, microbatches: int, schedule: ScheduleName = "1f1b",
                  split_points: Sequence[str] | None = None, order: Sequence[str] | None = None,
-                 stages_per_rank: int = 1, group: dist.ProcessGroup | None = None) -> None:
+                 stages_per_rank: int = 1, group: dist.ProcessGroup | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError("Pipeline needs a process group: call torch.distributed.init_process_group first (or "
                              "run under torchrun); use split_stages to inspect the stages without one")
         self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.tp_group = tp_group
         _check_layout(schedule, self.world, stages_per_rank, microbatches)
         self.n_stages = self.world * stages_per_rank
         stages = split_stages(model, n_stages=None if split_points is not None else self.n_stages,
@@ -192,9 +215,12 @@ class Pipeline:
 
     def _metadata(self, inputs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(input, output) templates of each of this rank's stages for microbatch 0, from running stages 0 up to
-        the last local one in eval mode (which records nothing and advances no counter)."""
+        the last local one in eval mode (which records nothing and advances no counter; the TP linears' byte
+        counts are put back)."""
         modules = [m for s in self._stages for m in s.modules()]
         modes = [m.training for m in modules]
+        infos: list[Any] = [m.lowprec_tp for m in modules if hasattr(m, "lowprec_tp")]
+        tp = [(info, dataclasses.replace(info.stats)) for info in infos]
         x = split_microbatches(inputs, self.microbatches, what="inputs' batch")[0].to(self.device)
         out = []
         try:
@@ -209,6 +235,8 @@ class Pipeline:
         finally:
             for m, mode in zip(modules, modes, strict=True):
                 m.training = mode
+            for info, stats in tp:  # nor counts TP bytes (``tp_stats``: what training sends)
+                info.stats = stats
         return out
 
     def _build(self, inputs: torch.Tensor) -> object:
@@ -251,11 +279,14 @@ class Pipeline:
         return loss
 
     def grads_finite(self) -> bool:
-        """Whether every stage's gradients are finite (a MIN all-reduce over the group): with loss scaling, skip
+        """Whether every stage's gradients are finite (a MIN all-reduce over the group, and over ``tp_group``): with
+        loss scaling, skip
         the step on every rank (``optimizer.zero_grad(); optimizer.scaler.update(False)``) when this is False."""
-        ok = all(bool(torch.isfinite(p.grad).all()) for p in self.parameters() if p.grad is not None)
+        ok = all(bool(torch.isfinite(_local(p.grad)).all()) for p in self.parameters() if p.grad is not None)
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        if self.tp_group is not None:  # a TP rank's shards can hold the only non-finite values
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.tp_group)
         return bool(flag.item())
 
     def _src(self, rank: int) -> int:
@@ -266,13 +297,18 @@ class Pipeline:
         """The global L2 norm of every stage's gradients, divided by ``loss_scale``; gradients scaled down to
         ``max_norm`` where it is exceeded (0: no clipping).  As one process computes it: the norm of the vector of
         per-parameter norms in the whole model's parameter order (each stage fills its entries, a SUM all-reduce
-        adds exact zeros elsewhere), so the norm and the clipped gradients are bitwise those of one process."""
+        adds exact zeros elsewhere), so the norm and the clipped gradients are bitwise those of one process.  A
+        tensor-parallel (DTensor) gradient's entry is its whole tensor's norm (DTensor's reduction over the TP
+        shards, as the runner computes it under TP alone: the shards' sum of squares, not one process's order)."""
+        from torch.distributed.tensor import DTensor
+
         norms = torch.zeros(self._n_params, dtype=torch.float32, device=self.device)
         has = torch.zeros(self._n_params, dtype=torch.int32, device=self.device)
         grads = []
         for i, p in zip(self.param_index, self.parameters(), strict=True):
             if p.grad is not None:
-                norms[i], has[i] = torch.linalg.vector_norm(p.grad).to(torch.float32), 1
+                n = torch.linalg.vector_norm(p.grad)
+                norms[i], has[i] = (n.full_tensor() if isinstance(n, DTensor) else n).to(torch.float32), 1
                 grads.append(p.grad)
         dist.all_reduce(norms, group=self.group)
         dist.all_reduce(has, group=self.group)
@@ -288,12 +324,14 @@ class Pipeline:
     def sync_model(self) -> None:
         """Broadcast every stage's parameters and buffers (``lp_step``, amax histories) from the rank that trains
         it, so the whole model object is current on every rank: for evaluation or a full checkpoint, with the
-        numerics of one process.  Collective: every rank of the group calls it."""
+        numerics of one process.  Tensor-parallel (DTensor) parameters send their local shards: the group links
+        the ranks of one TP index (module docstring), which hold the same shard of every stage.  Collective: every
+        rank of the group calls it."""
         with torch.no_grad():
             for s, stage in enumerate(self._stages):
                 seen: set[int] = set()
                 for t in [*stage.parameters(), *stage.buffers()]:
                     if id(t) not in seen:
                         seen.add(id(t))
-                        dist.broadcast(t.data, src=self._src(s % self.world), group=self.group)
+                        dist.broadcast(_local(t.data), src=self._src(s % self.world), group=self.group)
 

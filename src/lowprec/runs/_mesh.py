@@ -165,15 +165,12 @@ def check_supported(config: RunConfig) -> None:
     """``UsageError`` for layouts the runner does not train (yet): each names the field and what to change.
 
     Trained: TP alone, or with data-parallel replicas ("ddp": gradients averaged over ``dp_replicate``), shards
-    ("fsdp2") or both ("hsdp"); PP alone or with replicas ("ddp").  Refused: TP inside pipeline stages, FSDP2
-    shards inside pipeline stages, and what a split model cannot do (below)."""
+    ("fsdp2") or both ("hsdp"); PP alone, with TP inside its stages, and either with replicas ("ddp").  Refused:
+    FSDP2 shards inside pipeline stages, and what a split model cannot do (below)."""
     p, layout = config.parallel, layout_of(config.parallel)
     if not layout.model_parallel:
         return
-    what = f"parallel.tp = {p.tp}" if p.tp > 1 else f"parallel.pp = {p.pp}"
-    if p.tp > 1 and p.pp > 1:
-        raise UsageError(f"parallel.tp = {p.tp} with parallel.pp = {p.pp}: tensor parallelism inside pipeline "
-                         "stages is not supported by the runner; use one of them")
+    what = " and ".join(f"parallel.{k} = {v}" for k, v in (("tp", p.tp), ("pp", p.pp)) if v > 1)
     if p.pp > 1 and layout.dp_shard > 1:
         raise UsageError(f"{what} with parallel.strategy {p.strategy!r} (dp_shard = {layout.dp_shard}): the runner "
                          "composes pipelines with replicated data parallelism only (each stage's gradients averaged "

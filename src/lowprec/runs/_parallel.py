@@ -209,12 +209,16 @@ def _tensor_parallel(model: torch.nn.Module, recipe: Recipe, world: World) -> Wr
       local gradients over the "dp_replicate" group, in the recipe's ``grad_comm`` format (float32 without one).
 
     and amaxes and histories are MAX-reduced over every rank.  ``comm_bytes``: what the TP collectives sent plus
-    what FSDP2 gathered (or the gradient averaging sent) in the last step."""
+    what FSDP2 gathered (or the gradient averaging sent) in the last step.  Under a pipeline (``pp`` > 1) only TP
+    is applied here; ``_pp_runner.build_pipeline`` adds the replicas' averaging and the amax syncs per stage."""
     from ..distributed import GradReducer, allgather_bytes, shard_model, sync_amax_histories, tensor_parallel, tp_stats
     from ..nn import EmulatedLinear
 
     assert world.layout is not None and world.mesh is not None
     layout = world.layout
+    if layout.pp > 1:  # TP inside pipeline stages: the stages, replicas and amax syncs are _pp_runner's
+        tensor_parallel(model, world.mesh["tp"], sequence_parallel=layout.sequence_parallel, recipe=recipe)
+        return Wrapped(model)
     data_parallel = layout.dp > 1
 
     def amax_max(t: torch.Tensor) -> None:

@@ -244,8 +244,9 @@ def _loop(task: Task, st: State, life: RunLifecycle) -> bool:
     def evaluate(step: int) -> dict[str, float]:
         if st.pipeline is None:  # every rank (tensor parallelism: the forward's collectives take all of them)
             return _evaluate(task, unwrap(st.model))
-        st.pipeline.sync_model()  # the whole trained model on every rank; rank 0 evaluates it
-        return st.world.broadcast(_evaluate(task, unwrap(st.model)) if st.world.is_main else None)
+        from ._pp_runner import pp_evaluate  # the whole trained model on every rank; rank 0's TP group evaluates
+
+        return pp_evaluate(st, lambda: _evaluate(task, unwrap(st.model)))
 
     return life.drive(step_fn, evaluate=evaluate,
                       save=lambda step: save_state(r, life.run_id, st, store), before_log=before_log,

@@ -102,26 +102,24 @@ def _tp_load_full_state(st: State, model_sd: dict[str, Any], opt_sd: dict[str, A
 def _full_state(st: State) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state of an unsharded layout (single process or DDP replicas), or the full state of a
     tensor- or pipeline-parallel one (collective), in a single process's format."""
+    if st.pipeline is not None:  # TP inside the stages too
+        from ._pp_runner import pp_full_state
+
+        return pp_full_state(st)
     if st.world.tp > 1:
         return _tp_full_state(st)
-    if st.pipeline is not None:
-        from ._pp_runner import full_optimizer_state
-
-        st.pipeline.sync_model()
-        return unwrap(st.model).state_dict(), full_optimizer_state(st.pipeline, st.optimizer)
     return unwrap(st.model).state_dict(), st.optimizer.state_dict()
 
 
 def _load_full_state(st: State, model_sd: dict[str, Any], opt_sd: dict[str, Any]) -> None:
     """Load a full (unsharded) model and optimizer state into ``st``, whatever its layout."""
+    if st.pipeline is not None:  # every rank holds the whole model object; its optimizer, one stage's part
+        from ._pp_runner import pp_load_full_state
+
+        pp_load_full_state(st, model_sd, opt_sd)
+        return
     if st.world.tp > 1:
         _tp_load_full_state(st, model_sd, opt_sd)
-        return
-    if st.pipeline is not None:  # every rank holds the whole model object; its optimizer, one stage's part
-        from ._pp_runner import local_optimizer_state
-
-        unwrap(st.model).load_state_dict(model_sd)
-        st.optimizer.load_state_dict(local_optimizer_state(st.pipeline, opt_sd))
         return
     if st.world.strategy not in SHARDED:
         unwrap(st.model).load_state_dict(model_sd)
