@@ -12,6 +12,7 @@ import torch
 torch_xla = pytest.importorskip(
     "torch_xla", reason="torch_xla is not installed: run `make test-xla` (its own venv .venv-xla, from "
                         "requirements-xla.lock)")
+import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
 HOST_READS = {"aten::_local_scalar_dense"}
@@ -107,3 +108,46 @@ def binade(exponent: int, sign: int = 1) -> torch.Tensor:
     if sign < 0:
         b = b | -(1 << 31)
     return b.view(torch.float32)
+
+
+def start_runtime() -> torch.device:
+    """The XLA device, with torch_xla's runtime started: a process's first ``backward`` sizes autograd's per-device
+    queues from the device counts it sees then, so an XLA backward after a CPU one in a process where torch_xla
+    had not yet been started fails inside autograd's engine ("device.index() < ... device_ready_queues_.size()")."""
+    d = device()
+    torch.zeros(1, device=d)
+    return d
+
+
+def compiles() -> int:
+    """XLA graph compilations since the last ``met.clear_all()``."""
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def train_digits(recipe: str, dev: torch.device,
+                 steps: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[float]]:
+    """``steps`` optimizer steps of the zoo's mlp-digits (seed 0, its default batch, lr 3e-3) converted with
+    ``recipe`` and trained by ``LowPrecisionOptimizer`` on ``dev`` (on XLA one ``torch_xla.sync`` per step, as
+    ``xm.mark_step``): (the losses [steps] on the CPU, the final state dict on the CPU, each step's wall time)."""
+    import time
+
+    import lowprec
+    from lowprec.runs.zoo import batch_loss, get_task, to_device
+
+    task = get_task("mlp-digits", seed=0)
+    model = lowprec.convert(task.model, recipe).to(dev)
+    opt = lowprec.optim.LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False), recipe)
+    losses, times = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        loss = batch_loss(model, to_device(task.train_batch(step), dev), task.loss_fn)
+        opt.zero_grad()
+        opt.scale_loss(loss).backward()
+        opt.step()
+        if dev.type == "xla":
+            torch_xla.sync()
+            xm.wait_device_ops()  # the step's graph has run: its wall time is the step's
+        losses.append(loss.detach())
+        times.append(time.perf_counter() - t0)
+    return torch.stack(losses).cpu(), {k: v.detach().cpu() for k, v in model.state_dict().items()}, times

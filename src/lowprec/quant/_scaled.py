@@ -101,7 +101,24 @@ def _prescaled(
         m = torch.clamp(torch.ones_like(s) / (s * s_t[2]), max=_F32_MAX)  # a zero scale: 1/0 -> float32 max
         return g * m, s * s_t[0]  # x * float32 max may be inf: _te_clamp before rounding
     eff = s if s_t is None else s * s_t
+    if s_t is None and not spec.scale_spec.signed and _backend.xla_forms(g):
+        return _xla_pow2(g, eff, "divide"), eff
     return g / eff, eff
+
+
+_E8M0_MIN_BITS = 0x00400000
+"""The float32 bits of 2^-127, E8M0's smallest scale (a block whose amax is below 2^-118: an all-zero block)."""
+
+
+def _xla_pow2(v: torch.Tensor, scale: torch.Tensor, op: str) -> torch.Tensor:
+    """``v / scale`` or ``v * scale`` for power-of-two (E8M0) scales on XLA.  The smallest scale, 2^-127, is a float32
+    subnormal, which XLA reads as zero: an all-zero block would give 0 / 0 = NaN, a tiny one 0.  There the quotient
+    is ``v * 2^127`` and the product ``(v * 2^-63) * 2^-64`` (the first factor exact), the same correctly rounded
+    values as the CPU's single operation (a product that is itself subnormal XLA still writes as zero)."""
+    tiny = scale.view(torch.int32) == _E8M0_MIN_BITS
+    if op == "divide":
+        return torch.where(tiny, v * 2.0**127, v / scale)
+    return torch.where(tiny, (v * 2.0**-63) * 2.0**-64, v * scale)
 
 
 def _te_clamp(v: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -137,6 +154,8 @@ def _fake_kernel(
 ) -> torch.Tensor:
     """``x_hat`` in ``x``'s dtype, still padded where a group size does not divide ``x``'s shape (see ``_fake``)."""
     q, eff = _elements(x.to(torch.float32), s, s_t, keys, off, spec)
+    if s_t is None and spec.scaling != "none" and not spec.scale_spec.signed and _backend.xla_forms(q):
+        return _groups.ungroup_padded(_xla_pow2(q, eff, "multiply"), spec).to(x.dtype)
     return _groups.ungroup_padded(q * eff, spec).to(x.dtype)
 
 
