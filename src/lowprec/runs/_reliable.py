@@ -60,6 +60,18 @@ class Outcome:
     reason: str = ""
 
 
+def layout_replicas(shape: tuple[int, int, int, int]) -> list[list[int]]:
+    """The rank groups of a ``(pp, dp_replicate, dp_shard, tp)`` device mesh that hold the same local weights and
+    reduced gradients: for each (stage p, shard s, TP rank t) the ``dp_replicate`` ranks ``((p * R + r) * S + s) *
+    T + t``, r = 0 .. R-1 (the row-major rank order of ``init_device_mesh``).  None without replicas (R = 1): a TP
+    group's ranks, or a pipeline's stages, hold different parameters and must not be compared."""
+    pp, reps, shards, tp = shape
+    if reps < 2:
+        return []
+    return [[((p * reps + r) * shards + s) * tp + t for r in range(reps)]
+            for p in range(pp) for s in range(shards) for t in range(tp)]
+
+
 class Guard:
     """One run's faults, spike detector, skip ledger and checks (module docstring)."""
 
@@ -79,9 +91,11 @@ class Guard:
             self.fingerprints.enabled = False
         self.rollbacks = 0
         w = st.world
-        self.replicas = replica_groups(w.strategy, w.size, w.mesh_shape) if w.distributed else []
+        self.replicas = ([] if not w.distributed else layout_replicas(w.layout.shape) if w.layout is not None
+                         else replica_groups(w.strategy, w.size, w.mesh_shape))
         """Groups of ranks whose weights and reduced gradients must agree: DDP's every rank; HSDP's replicas of
-        each shard; none under FSDP2."""
+        each shard; none under FSDP2; with tensor or pipeline parallelism only the data-parallel replicas of one
+        (stage, shard, TP rank) position (``layout_replicas``: TP and PP peers hold other parameters)."""
         self._reported = 0
         self.unbucketed = w.distributed and w.strategy == "ddp" and w.size > 2
         """DDP rebuilds its gradient buckets once, after the first backward of the process: a rerun of that step
