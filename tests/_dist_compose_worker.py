@@ -1,4 +1,4 @@
-"""Under torchrun (2, 4 or 8 ranks): the compositions of data parallelism with TP and PP of
+"""Under torchrun (2, 4 or 8 ranks): the compositions of data parallelism with TP and PP, and of TP with PP, of
 tests/test_dist_compose.py and their references, one launch per world size.
 
 argv: STORE GROUP...  Trains the zoo GPT (``_dist_layouts_worker.GPT``, ``STEPS`` steps) with

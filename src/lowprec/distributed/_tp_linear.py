@@ -17,8 +17,10 @@ Every operand is quantized as one process quantizes the whole tensor (``_tp_shar
 MAX all-reduce of the shards' amaxes (one collective per pass for all operands that need it), per-row scales of
 a column shard from the rows' global amaxes (one more), blocks that never straddle a shard, stochastic rounding
 with the global element counters.  Delayed scaling uses the module's own
-history buffers: ``amax_reduce`` (the TP group's MAX all-reduce) makes the first step global and
-``sync_amax_histories(model, group)`` after every backward keeps the histories equal, as with FSDP2.
+history buffers: ``amax_reduce`` (the TP group's MAX all-reduce) makes the first step global, every amax a
+training pass records is the group's (one MAX all-reduce per pass, ``_delayed_amax``: a pipeline's next microbatch
+reads it before the step ends), and ``sync_amax_histories(model, group)`` after every backward keeps the histories
+equal across data-parallel ranks as with FSDP2.
 
 What is not the arithmetic of one process: a sharded reduction dimension (rowwise forward, colwise grad_input)
 sums T partial GEMMs in float32 in rank order (``_tp_comm``) instead of one GEMM over the whole K (or N), and a
@@ -159,6 +161,23 @@ def gather_quantized(x: torch.Tensor, spec: QuantSpec, amax: torch.Tensor | None
     return out
 
 
+def _delayed_amax(m: Any, info: TPInfo, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``m._delayed_amax`` (the amaxes to scale with now, from the history), and in training the amax it records
+    made the group's at once: one MAX all-reduce of the new history entries over the TP group.  A shard's own
+    amax would otherwise stand in the history until ``sync_amax_histories`` after the backward, and a later
+    forward before it (the next microbatch of a pipeline step) would scale with it: per-shard scales, different
+    on each TP rank.  With one pass per step this changes no value (the sync takes the same MAX)."""
+    out = m._delayed_amax(tensors)
+    roles = [r for r in tensors if r in m._delayed] if m.training else []
+    if roles:
+        hists = [getattr(m, f"amax_history_{r}") for r in roles]
+        with torch.no_grad():
+            for h, v in zip(hists, comm.max_all_reduce([h[0] for h in hists], info.group, info.stats),
+                            strict=True):
+                h[0] = v
+    return out
+
+
 def _gather_input(x: torch.Tensor, m: Any, info: TPInfo, amax_d: dict[str, torch.Tensor]
                   ) -> tuple[torch.Tensor, bool]:
     """The colwise layer's whole input as [B, K] float32 and whether it is already ``Q(x)`` of the forward GEMM."""
@@ -190,7 +209,8 @@ class ColwiseFn(torch.autograd.Function):
         rec = m.recipe
         wf = w.to(torch.float32)
         xl = x.to(torch.float32)
-        amax_d = m._delayed_amax({"input": xl.reshape(-1, x.shape[-1]), "weight": wf}) if m._delayed else {}
+        amax_d = (_delayed_amax(m, info, {"input": xl.reshape(-1, x.shape[-1]), "weight": wf}) if m._delayed
+                  else {})
         x2, pre_quantized = _gather_input(x, m, info, amax_d)
         glob = _global_amax({"weight": wf}, _needs_global_amax(m, info, ("forward",)), info)
         if rec.forward.a.spec is None and rec.forward.b.spec is None and rec.forward.accumulator.format is None \
@@ -224,7 +244,7 @@ class ColwiseFn(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1]).to(torch.float32)
         amax_d = dict(ctx.amax_d)
         if m._delayed:
-            amax_d.update(m._delayed_amax({"grad_output": g2}))
+            amax_d.update(_delayed_amax(m, info, {"grad_output": g2}))
         glob: dict[Any, torch.Tensor] = _global_amax({"grad_output": g2, "weight": wf},
                                                      _needs_global_amax(m, info, ("grad_input", "grad_weight")), info)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -271,7 +291,7 @@ class RowwiseFn(torch.autograd.Function):
         rec = m.recipe
         wf = w.to(torch.float32)
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
-        amax_d = m._delayed_amax({"input": x2, "weight": wf}) if m._delayed else {}
+        amax_d = _delayed_amax(m, info, {"input": x2, "weight": wf}) if m._delayed else {}
         glob: dict[Any, torch.Tensor] = _global_amax({"input": x2, "weight": wf},
                                                      _needs_global_amax(m, info, ("forward",)), info)
         glob = _row_amax(m, info, {("forward", "a"): x2, ("forward", "b"): wf}, glob)
@@ -303,7 +323,7 @@ class RowwiseFn(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1]).to(torch.float32)
         amax_d = dict(ctx.amax_d)
         if m._delayed:
-            amax_d.update(m._delayed_amax({"grad_output": g2}))
+            amax_d.update(_delayed_amax(m, info, {"grad_output": g2}))
         glob = _global_amax({"input": x2, "weight": wf},
                             _needs_global_amax(m, info, ("grad_input", "grad_weight")), info)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
