@@ -164,7 +164,7 @@ def test_device_round_trips_and_is_checked() -> None:
     auto = RunConfig(model="mlp-digits")
     assert auto.device == "auto" and "device" not in auto.to_dict()  # a default config's data is unchanged
     assert RunConfig.from_toml('model = "mlp-digits"\ndevice = "cpu"\n').device == "cpu"
-    with pytest.raises(UsageError, match="device must be one of 'auto', 'cpu', 'cuda'; got 'gpu'"):
+    with pytest.raises(UsageError, match="device must be one of 'auto', 'cpu', 'cuda', 'xla'; got 'gpu'"):
         RunConfig.from_toml('model = "mlp-digits"\ndevice = "gpu"\n')
     with pytest.raises(UsageError, match="framework = \"jax\".*device"):
         RunConfig(model="mlp-digits", framework="jax", device="cuda")

@@ -47,7 +47,7 @@ ScheduleName = Literal["constant", "cosine", "linear"]
 Strategy = Literal["single", "ddp", "fsdp2", "hsdp"]
 DistBackend = Literal["auto", "gloo", "nccl"]
 Framework = Literal["torch", "jax"]
-Device = Literal["auto", "cpu", "cuda"]
+Device = Literal["auto", "cpu", "cuda", "xla"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
 OPTIMIZERS = literal_values(OptimizerName)
 SCHEDULES = literal_values(ScheduleName)
@@ -298,9 +298,10 @@ class RunConfig:
     threads: int | None = None
     """torch intra-op threads (None: leave torch's default)."""
     device: Device = "auto"
-    """Where the model and its batches live: "cpu", "cuda" or "auto" (CUDA when available, else CPU; under data
-    parallelism the process group's: CUDA with NCCL, CPU with gloo).  "cuda" without a usable GPU is refused before
-    any work.  The manifest records the device used (``hardware.device``)."""
+    """Where the model and its batches live: "cpu", "cuda", "xla" or "auto" (CUDA when available, else CPU; under
+    data parallelism the process group's: CUDA with NCCL, CPU with gloo).  "cuda" without a usable GPU, and "xla"
+    without torch_xla installed, are refused before any work; "xla" (torch_xla's device, ``runs._xla``) trains in
+    one process.  The manifest records the device used (``hardware.device``; "xla" also ``hardware.torch_xla``)."""
     config_dir: str | None = dataclasses.field(default=None, compare=False)
     """The folder of the config file (``load`` sets it): on ``sys.path`` while the model is resolved, so ``model =
     "mytask:make"`` finds ``mytask.py`` next to the config.  Not part of ``to_dict`` (it says where the files are,
@@ -343,6 +344,10 @@ class RunConfig:
         if self.threads is not None:
             check_int(self.threads, "threads", 1)
         check_literal(self.device, "device", Device)
+        if self.device == "xla":
+            from ._xla import check_layout
+
+            check_layout(self.framework, self.parallel.world_size, self.parallel.strategy)
         if self.framework == "jax" and self.device == "cuda":
             raise UsageError("framework = \"jax\" runs on JAX's default backend, which device does not choose; "
                              "set device = \"auto\" (the manifest records the JAX platform) or framework = "

@@ -188,6 +188,10 @@ def _train_step(task: Task, st: State, r: ResolvedConfig, lr: float,
     replay_s = time.perf_counter() - t1 if (diverge or examined) else 0.0  # reruns are not the step's time
     if update or diverge:
         st.optimizer.step()
+    if st.device.type == "xla":
+        from ._xla import mark_step
+
+        mark_step()  # one graph per step (compiled once), launched here
     dt = time.perf_counter() - t0 - replay_s
     out_values = {"train/loss": global_loss, "train/grad_norm": norm, "train/lr": lr, "train/step_time_s": dt,
                   "train/samples_per_s": task.samples_per_step / dt}
@@ -297,8 +301,13 @@ def _open_run(life: RunLifecycle, task: Task, st: State, *, resume: str | None, 
         allow_restart = allow_restart or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     rid, create = w.broadcast((rid, create))
     if create and w.is_main:
-        rid = life.create(run_manifest(life.r, task, device=st.device.type, world_size=w.size,
-                                       config_dir=import_dir(life.r.config)), run_id=rid)
+        manifest = run_manifest(life.r, task, device=st.device.type, world_size=w.size,
+                                config_dir=import_dir(life.r.config))
+        if st.device.type == "xla":
+            from ._xla import record as record_xla
+
+            record_xla(manifest)  # hardware.torch_xla, hardware.xla_device
+        rid = life.create(manifest, run_id=rid)
     rid = w.broadcast(rid)
     if not create:
         restore_state(life, rid, st, allow_restart=allow_restart)
@@ -345,10 +354,19 @@ def train(config: RunConfig, *, seed: int, store: RunStore, resume: str | None =
             gc.collect()
 
 
+def _device(config: RunConfig, world: World) -> torch.device:
+    """The device this process trains on: torch_xla's for ``device = "xla"`` (``_xla``), else ``world_device``."""
+    if config.device == "xla":
+        from ._xla import device
+
+        return device()
+    return world_device(config.device, world)
+
+
 def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str | None, progress: bool,
                  world: World, run_id: str | None, allow_restart: bool) -> str:
     """``train`` for ``framework = "torch"``, once ``world`` is checked against the config."""
-    device = world_device(config.device, world)  # a missing GPU is refused before any work
+    device = _device(config, world)  # a missing GPU, or torch_xla, is refused before any work
     if config.threads:
         torch.set_num_threads(config.threads)
     task = build_task(config, seed)
@@ -396,7 +414,11 @@ def _train_torch(config: RunConfig, *, seed: int, store: RunStore, resume: str |
 def run_config(config: RunConfig, *, store: RunStore, progress: bool = True) -> list[str]:
     """Train every seed of ``config`` in turn (on torchrun workers for a data-parallel layout); returns the run
     ids."""
-    if config.framework == "torch":
+    if config.framework == "torch" and config.device == "xla":
+        from . import _xla
+
+        _xla.check()  # torch_xla not installed: refused before the first seed
+    elif config.framework == "torch":
         resolve_device(config.device)  # "cuda" without a GPU: refused before the first seed
     if config.parallel.strategy == "single":
         return [train(config, seed=s, store=store, progress=progress) for s in config.seeds]
