@@ -301,6 +301,35 @@ def test_kahan_update_matches_the_tensor_operations(fmt: str) -> None:
     assert_bitwise_equal(got_c, want_c, context=f"{fmt} compensation")
 
 
+def test_kahan_bfloat16_bit_route_over_every_binade() -> None:
+    """bfloat16's vectorized Kahan pieces round on the bits (bf16_rne in _native_group.c): against the tensor lines
+    on weights of every binade from bfloat16's smallest subnormal (2^-133) to 2^120, each updated by k half-steps
+    (k = -3 .. 3: the odd k make old + y an exact tie between two bfloat16 neighbours, the even ones land on the
+    grid) with a compensation of up to a quarter step, both signs."""
+    g = torch.Generator().manual_seed(11)
+    e = torch.arange(-133, 121).repeat_interleave(64)  # 254 binades x 64 weights
+    n = e.numel()
+    mant = 1.0 + torch.randint(0, 128, (n,), generator=g).float() / 128  # on bfloat16's grid
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    old = sign * mant * torch.exp2(e.float())
+    old = torch.where(e < -126, sign * torch.randint(1, 128, (n,), generator=g).float() * 2.0**-133, old)
+    half = torch.exp2(torch.clamp(e, min=-126).float() - 8)  # half a bfloat16 step at old's exponent
+    k = torch.randint(-3, 4, (n,), generator=g).float()
+    p = old + k * half
+    c = lowprec.quantize(torch.randn(n, generator=g) * half * 0.5, "bfloat16")
+    c[::3] = 0.0
+    pad = (-n) % 1024
+    p, old, c = (torch.cat([t, torch.ones(pad)]) for t in (p, old, c))
+    spec = formats.get("bfloat16")
+    assert max(float(t.abs().max()) for t in (p, old, c)) <= spec.max / 4  # every piece takes the bit route
+    want_p, want_c = _kahan_by_tensors(p, old, c, "bfloat16")
+    got_p, got_c = p.clone(), c.clone()
+    assert _native_group.kahan_update(got_p, old, got_c, spec)
+    assert_bitwise_equal(got_p, want_p, context="bfloat16 weights")
+    assert_bitwise_equal(got_c, want_c, context="bfloat16 compensation")
+    assert not torch.equal(want_p, old) and bool((want_c != 0).any())  # updates applied, errors carried
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16", "float8_e4m3fn", "int8"])
 def test_stochastic_quantize_matches_the_kernel(fmt: str) -> None:
     x = _varied((300, 77), 11)

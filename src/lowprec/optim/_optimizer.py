@@ -107,6 +107,7 @@ class LowPrecisionOptimizer:
         self.scaler = LossScaler(self.recipe.loss_scaling)
         self.steps = 0
         self.compensation: dict[int, torch.Tensor] = {}
+        self._before: list[torch.Tensor] = []  # Kahan: the weights before the inner step (``_snapshot``)
         self._index: dict[int, torch.Tensor] = {}  # global element indices of column/strided shards (_global_index)
         w = self.recipe.weights
         if w.update != "master":
@@ -149,7 +150,7 @@ class LowPrecisionOptimizer:
                     if p.grad is not None:
                         p.grad.copy_(fake_quantize(p.grad, opt_state.grad))
             update = self.recipe.weights.update
-            before = [p.detach().clone() for p in params] if update == "kahan" else []  # only Kahan reads them
+            before = self._snapshot(params) if update == "kahan" else []  # only Kahan reads them
         self.optimizer.step(closure)  # type: ignore[arg-type]
         with torch.no_grad():
             if update != "master":
@@ -157,6 +158,21 @@ class LowPrecisionOptimizer:
             self._quantize_state(params)
         self.steps += 1
         return True
+
+    def _snapshot(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The weights (a sharded parameter's local shard) before the inner step, copied into buffers kept from
+        step to step: a fresh clone per step and parameter made glibc's allocator hand back and re-fault megabytes
+        each step, which showed as AdamW's own out-of-place sqrt and div running 3-5x slower next to it (MLP
+        784-512-512-10: the optimizer step 9.3 ms against bf16-sr's 7.8 and fp32's 4.4; 5.7 with the buffers)."""
+        local = [_local(p.detach())[0] for p in params]
+        bufs = self._before
+        if len(bufs) != len(local) or any(b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
+                                          for b, t in zip(bufs, local, strict=True)):
+            bufs[:] = [t.clone() for t in local]
+            return bufs
+        for b, t in zip(bufs, local, strict=True):
+            b.copy_(t)
+        return bufs
 
     def _apply_weight_policy(self, params: list[torch.Tensor], before: list[torch.Tensor]) -> None:
         w = self.recipe.weights
