@@ -146,13 +146,13 @@ def _gpt_config(recipe: str = "fp8-tensorwise", **par: object) -> tuple[RunConfi
     # DP x PP: 2 replicas x 4 microbatches are 8 pieces, which a batch of 12 rows does not split into
     ("fp32", {"world_size": 4, "pp": 2, "microbatches": 4}, 12, r"batch_size 12 is not divisible by dp 2 x "
                                                                 r"microbatches 4 = 8"),
-    # TP inside pipeline stages trains; FSDP2 shards inside them still do not, nor a split model's weight state
+    # TP inside pipeline stages trains; FSDP2 shards inside them still do not, nor Kahan's per-shard compensation
     ("fp32", {"world_size": 8, "tp": 2, "pp": 2, "strategy": "fsdp2"}, 8, r"parallel.tp = 2 and parallel.pp = 2 "
                                                                           r"with parallel.strategy 'fsdp2' "
                                                                           r"\(dp_shard = 2\).*not FSDP2 shards"),
-    ("bf16-sr", {"world_size": 4, "tp": 2, "pp": 2}, 8, r"parallel.tp = 2 and parallel.pp = 2: "
-                                                        r"recipe.weights.update = 'stochastic'"),
-    ("bf16-sr", {"world_size": 2, "tp": 2}, 8, r"recipe.weights.update = 'stochastic'"),
+    ("bf16-kahan", {"world_size": 4, "tp": 2, "pp": 2}, 8, r"parallel.tp = 2 and parallel.pp = 2: "
+                                                           r"recipe.weights.update = 'kahan'.*compensation buffer"),
+    ("bf16-kahan", {"world_size": 2, "tp": 2}, 8, r"recipe.weights.update = 'kahan'.*do not gather"),
 ])
 def test_model_checks_before_any_process(recipe: str, par: dict, batch: int, match: str) -> None:
     cfg, task = _gpt_config(recipe, **par)
@@ -168,6 +168,8 @@ def test_model_checks_accept_what_the_runner_trains() -> None:
                         ("mxfp8", {"world_size": 4, "tp": 2}),  # DDP x TP: dp_replicate 2 x tp 2
                         ("fp8-tensorwise", {"world_size": 8, "tp": 2, "strategy": "hsdp", "mesh_shape": (2, 2)}),
                         ("mxfp8", {"world_size": 4, "pp": 2, "microbatches": 2}),  # DP x PP
+                        ("bf16-sr", {"world_size": 2, "tp": 2}),  # stochastic updates by global element
+                        ("bf16-sr", {"world_size": 2, "pp": 2}),
                         ("fp8-tensorwise", {"world_size": 4, "tp": 2, "pp": 2, "microbatches": 4}),  # TP x PP
                         ("mxfp8", {"world_size": 4, "tp": 2, "pp": 2, "sequence_parallel": True}),
                         ("mxfp8", {"world_size": 8, "tp": 2, "pp": 2})]:  # DP x TP x PP

@@ -179,12 +179,11 @@ def check_supported(config: RunConfig) -> None:
     if r.fallback is not None:
         raise UsageError(f"{what}: recipe.fallback swaps layers while training, which a split model cannot "
                          "follow; remove the recipe's fallback or use a data-parallel layout")
-    if r.weights.update in ("stochastic", "kahan"):
-        state = "random draws" if r.weights.update == "stochastic" else "compensation buffer"
-        raise UsageError(f"{what}: recipe.weights.update = {r.weights.update!r} keeps per-element weight state "
-                         f"({state}) that the runner does not yet test for layout independence on a split model "
-                         "(only the GEMMs' stochastic operands are); use a recipe with master or nearest weight "
-                         "updates, or a data-parallel layout")
+    if r.weights.update == "kahan":
+        raise UsageError(f"{what}: recipe.weights.update = 'kahan' keeps a compensation buffer per local shard, "
+                         "which the split model's checkpoints (one process's full state) do not gather; use "
+                         "\"stochastic\" (bf16-sr: draws by global element, tested against one process), master or "
+                         "nearest weight updates, or a data-parallel layout")
     from ..reliability._config import ReliabilityConfig
 
     if config.faults or config.reliability != ReliabilityConfig() or config.stats.every is not None:
