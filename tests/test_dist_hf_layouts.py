@@ -18,11 +18,11 @@ any process starts (its batches are dicts; a pipeline feeds one input tensor to 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _layout_runs import max_rel, train_cases
 
 from lowprec.cli import main
 from lowprec.runs._store import RunStore
@@ -31,7 +31,6 @@ from lowprec.testing import TOLERANCES
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
 
-TESTS = Path(__file__).parent
 RUN = """model = "hf-causal-lm"
 recipe = "{recipe}"
 seeds = [0]
@@ -60,43 +59,29 @@ CASES = [("one", "fp8-tensorwise"), ("one", "mxfp8"), ("tp2", "fp8-tensorwise"),
 
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], np.ndarray]:
-    tmp = tmp_path_factory.mktemp("hf-layouts")
-    store = str(tmp / "runs.db")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]))
-        for layout, recipe in CASES:
-            path = tmp / f"{layout}-{recipe}.toml"
-            path.write_text(RUN.format(recipe=recipe, group=f"{layout}-{recipe}") + LAYOUTS[layout])
-            assert main(["run", str(path), "--store", store]) == 0, (layout, recipe)
+    cases = {f"{layout}-{recipe}": RUN.format(recipe=recipe, group=f"{layout}-{recipe}") + LAYOUTS[layout]
+             for layout, recipe in CASES}
+    runs = train_cases(tmp_path_factory.mktemp("hf-layouts"), cases, steps=10)
     out = {}
-    with RunStore(store) as s:
-        for layout, recipe in CASES:
-            (rec,) = s.list_runs(group=f"{layout}-{recipe}")
-            assert rec.status == "completed"
-            assert rec.manifest["world_size"] == (1 if layout == "one" else 2 if layout == "tp2" else 4)
-            steps, loss = s.scalars(rec.run_id)["train/loss"]
-            assert np.array_equal(steps, np.arange(1, 11))
-            out[(layout, recipe)] = loss
+    for layout, recipe in CASES:
+        loss, manifest = runs[f"{layout}-{recipe}"]
+        assert manifest["world_size"] == (1 if layout == "one" else 2 if layout == "tp2" else 4)
+        out[(layout, recipe)] = loss
     return out
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b) / np.abs(b)))
 
 
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "mxfp8"])
 def test_llama_tp2_under_the_runner_within_tolerance_of_one_process(losses: dict, recipe: str) -> None:
     tp, one = losses[("tp2", recipe)], losses[("one", recipe)]
     assert abs(tp[0] / one[0] - 1) <= 1e-6  # the first forward: the sharded sums' order only
-    rel = _rel(tp, one)
+    rel = max_rel(tp, one)
     print(f"llama tp2 {recipe}: max relative loss difference {rel:.2e}")
     assert rel <= TP_LOSS_REL
 
 
 def test_llama_fsdp2_x_tp_under_the_runner_within_tolerance_of_one_process(losses: dict) -> None:
     got, one = losses[("fsdp2-tp2", "fp8-tensorwise")], losses[("one", "fp8-tensorwise")]
-    rel = _rel(got, one)
+    rel = max_rel(got, one)
     print(f"llama fsdp2 x tp2 fp8-tensorwise: max relative loss difference {rel:.2e}")
     assert 0 < rel <= TOLERANCES["ddp_vs_single_hf_fp8_loss_rel"].value
     assert got[0] != one[0]  # the batch really is split over the shards (each half on its own fp8 grid)

@@ -13,19 +13,14 @@ control, where the bound below is 2x.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
+from _layout_runs import max_rel, train_cases
 
-from lowprec.cli import main
-from lowprec.runs._store import RunStore
 from lowprec.testing import TOLERANCES
 
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).parent
 RUN = """model = "gpt-bytes"
 recipe = "{recipe}"
 steps = 20
@@ -43,36 +38,16 @@ CONTROL_FACTOR = 2.0
 
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], np.ndarray]:
-    tmp = tmp_path_factory.mktemp("sr-layouts")
-    store = str(tmp / "runs.db")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]))
-        for layout, extra in LAYOUTS.items():
-            for recipe in RECIPES:
-                path = tmp / f"{layout}-{recipe}.toml"
-                path.write_text(RUN.format(recipe=recipe, group=f"{layout}-{recipe}") + extra)
-                assert main(["run", str(path), "--store", store]) == 0, (layout, recipe)
-    out = {}
-    with RunStore(store) as s:
-        for layout in LAYOUTS:
-            for recipe in RECIPES:
-                (rec,) = s.list_runs(group=f"{layout}-{recipe}")
-                assert rec.status == "completed", rec.error
-                steps, loss = s.scalars(rec.run_id)["train/loss"]
-                assert np.array_equal(steps, np.arange(1, 21))
-                out[(layout, recipe)] = loss
-    return out
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b) / np.abs(b)))
+    cases = {f"{layout}-{recipe}": RUN.format(recipe=recipe, group=f"{layout}-{recipe}") + extra
+             for layout, extra in LAYOUTS.items() for recipe in RECIPES}
+    runs = train_cases(tmp_path_factory.mktemp("sr-layouts"), cases, steps=20)
+    return {(layout, recipe): runs[f"{layout}-{recipe}"][0] for layout in LAYOUTS for recipe in RECIPES}
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_stochastic_updates_split_as_the_nearest_ones_do(losses: dict, layout: str) -> None:
-    sr = _rel(losses[(layout, "bf16-sr")], losses[("one", "bf16-sr")])
-    control = _rel(losses[(layout, "bf16-pure")], losses[("one", "bf16-pure")])
+    sr = max_rel(losses[(layout, "bf16-sr")], losses[("one", "bf16-sr")])
+    control = max_rel(losses[(layout, "bf16-pure")], losses[("one", "bf16-pure")])
     print(f"{layout}: bf16-sr {sr:.2e}, bf16-pure {control:.2e}")
     assert 0 < control  # the model really is split
     assert sr <= CONTROL_FACTOR * control
